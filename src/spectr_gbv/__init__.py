@@ -1,0 +1,1 @@
+"""spectr-gbv: speculative decoding verifiers (SpecTr-GBV and its baselines), measured exactly."""
