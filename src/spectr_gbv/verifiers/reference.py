@@ -1,0 +1,513 @@
+"""Exact float64 laws of every verifier on tiny vocabularies, by enumeration (the project's oracle).
+
+A *model* is a callable `cond(prefix) -> np.ndarray[V]`: the next-token distribution after the block-relative
+`prefix` (a tuple of ints); it may depend on the whole prefix. Drafts are enumerated with their probabilities under
+q, every uniform of a verifier is integrated out analytically, so every number here is exact up to float64
+rounding. Nothing here is fast: V^(L*K) draft tuples are enumerated. numpy only, no torch.
+
+One verification iteration is described by `outcomes(name, p, q, drafts)`: a list of
+`(probability, emitted_tokens, cont)` where `emitted_tokens` is the accepted prefix plus the extra token and
+`cont(seq)` the conditional that continues the stream after `seq` (block-relative). `cont` is the target `p`
+except for `gbv`, whose target is modified for the rest of the block window (spec section 4 and 8.5).
+"""
+
+import functools
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+
+Model = Callable[[tuple], np.ndarray]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models and laws
+# ---------------------------------------------------------------------------------------------------------------
+class ConstModel:
+    """Context-independent model (the section 11 anchors)."""
+
+    def __init__(self, dist):
+        self.dist = np.asarray(dist, dtype=np.float64)
+
+    def __call__(self, prefix):
+        return self.dist
+
+
+class RandModel:
+    """Context-dependent random model: a Dirichlet draw per prefix, seeded by (seed, prefix) so that it does not
+    depend on the order of the calls. `zero_prob` zeroes entries at random (never all) to mimic top-k / top-p."""
+
+    def __init__(self, vocab_size, seed, concentration=1.0, zero_prob=0.0):
+        self.vocab_size, self.seed = vocab_size, seed
+        self.concentration, self.zero_prob = concentration, zero_prob
+        self._cache = {}
+
+    def __call__(self, prefix):
+        prefix = tuple(prefix)
+        if prefix not in self._cache:
+            rng = np.random.default_rng([self.seed, len(prefix), *prefix])
+            dist = rng.dirichlet(np.full(self.vocab_size, self.concentration))
+            zero = rng.random(self.vocab_size) < self.zero_prob
+            zero[rng.integers(self.vocab_size)] = False
+            dist = np.where(zero, 0.0, dist)
+            self._cache[prefix] = dist / dist.sum()
+        return self._cache[prefix]
+
+
+def vocab_size(model):
+    return len(model(()))
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def joint(model, seq):
+    """Joint probability of the tuple `seq` under `model`, from the block start. Memoised (models are pure
+    functions of the prefix): the enumeration asks for the same prefixes over and over."""
+    if not seq:
+        return 1.0
+    head = joint(model, seq[:-1])
+    return head * model(seq[:-1])[seq[-1]] if head > 0 else 0.0
+
+
+def _sequences(vocab, length):
+    return list(itertools.product(range(vocab), repeat=length))
+
+
+def target_law(p, n):
+    """Law of the first n tokens of the target's own sampling."""
+    return {s: joint(p, s) for s in _sequences(vocab_size(p), n) if joint(p, s) > 0}
+
+
+def max_abs_diff(law_a, law_b):
+    return max(abs(law_a.get(s, 0.0) - law_b.get(s, 0.0)) for s in set(law_a) | set(law_b))
+
+
+def tau_law(h):
+    """P(tau = i), i = 0..L, for tau = max{i >= 1 : U_i <= h_i} (0 if none), h = (h_1..h_L)."""
+    probs, none_above = np.zeros(len(h) + 1), 1.0
+    for i in range(len(h), 0, -1):
+        probs[i] = none_above * h[i - 1]
+        none_above *= 1.0 - h[i - 1]
+    probs[0] = none_above
+    return probs
+
+
+def _normalise(r, fallback):
+    """norm(r); a residual of zero mass only occurs at contexts of probability zero, where any law will do."""
+    total = r.sum()
+    return r / total if total > 0 else fallback
+
+
+def _emit(prob, prefix, dist, cont):
+    return [(prob * dist[c], prefix + (c,), cont) for c in range(len(dist)) if dist[c] > 0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single-draft block rules: token-level SD (section 2) and block verification (section 3)
+# ---------------------------------------------------------------------------------------------------------------
+def _token_h(p, q, x):
+    """Token SD stops at the first U_i > a_i; written in the backward form of tau_law:
+    h_i = P(tau = i | tau <= i) = A_i (1 - a_{i+1}) / (1 - A_{i+1}), A_i = prod_{j<=i} a_j."""
+    a = [min(1.0, p(x[:i])[x[i]] / q(x[:i])[x[i]]) for i in range(len(x))]
+    reach = np.cumprod(a)  # reach[i-1] = A_i
+    h = [reach[i - 1] * (1 - a[i]) / (1 - reach[i]) if reach[i] < 1 else 1.0 for i in range(1, len(x))]
+    return np.array(h + [reach[-1]])
+
+
+def _bv_weights(p, q, x):
+    """w_0..w_L of block verification: w_i = min(1, w_{i-1} p(x_i|x^{i-1}) / q(x_i|x^{i-1}))."""
+    w = [1.0]
+    for i in range(len(x)):
+        w.append(min(1.0, w[-1] * p(x[:i])[x[i]] / q(x[:i])[x[i]]))
+    return w
+
+
+def _bv_h(p, q, x):
+    w = _bv_weights(p, q, x)
+    h = []
+    for i in range(1, len(x)):
+        excess = np.maximum(w[i] * p(x[:i]) - q(x[:i]), 0.0).sum()
+        h.append(1.0 if w[i] >= 1 else excess / (excess + 1 - w[i]))
+    return np.array(h + [w[-1]])
+
+
+def _single_path(p, q, x, h, w):
+    """Outcomes of a single-path rule with backward posteriors h and residual norm((w_t p - q)_+) at depth t."""
+    L, outs = len(x), []
+    for t, prob in enumerate(tau_law(h)):
+        if prob <= 0:
+            continue
+        v = x[:t]
+        dist = p(v) if t == L else _normalise(np.maximum(w[t] * p(v) - q(v), 0.0), p(v))
+        outs += _emit(prob, v, dist, p)
+    return outs
+
+
+def _one_draft(name, drafts):
+    if len(drafts) != 1:
+        raise ValueError(f"verifier={name} takes a single draft, got K={len(drafts)}")
+    return drafts[0]
+
+
+def token(p, q, drafts):
+    x = _one_draft("token", drafts)
+    return _single_path(p, q, x, _token_h(p, q, x), [1.0] * (len(x) + 1))
+
+
+def bv(p, q, drafts):
+    x = _one_draft("bv", drafts)
+    return _single_path(p, q, x, _bv_h(p, q, x), _bv_weights(p, q, x))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gbv: greedy block verification with the target modification (K=1, section 4) = RGBV (K>1, section 8.5)
+# ---------------------------------------------------------------------------------------------------------------
+class _Measure:
+    """A law of the target block given by its conditionals (memoised; residual chains call them repeatedly)."""
+
+    def __init__(self, cond):
+        self._cond, self._cache = cond, {}
+
+    def cond(self, v):
+        if v not in self._cache:
+            self._cache[v] = self._cond(v)
+        return self._cache[v]
+
+    def joint(self, v):
+        return joint(self.cond, v)
+
+
+def _residual(measure, q, u):
+    """Law of the target block Y given Y^|u| = u and that Y diverged from the draft right after u:
+    point masses along u, then norm((M(v) M(.|v) - S(v) q(.|v))_+) below u."""
+
+    def cond(v):
+        if len(v) < len(u):
+            return np.eye(len(q(())))[u[len(v)]]
+        excess = np.maximum(measure.joint(v) * measure.cond(v) - joint(q, v) * q(v), 0.0)
+        return _normalise(excess, measure.cond(v))
+
+    return _Measure(cond)
+
+
+def _greedy_h(measure, q, x):
+    """Greedy-coupling posteriors of draft x against the target block law (section 4.2 with p -> measure)."""
+    h = []
+    for i in range(1, len(x) + 1):
+        v = x[:i]
+        rho = measure.joint(v) / joint(q, v)  # unclamped joint ratio; 0 off the known prefix of Y
+        if i == len(x) or rho >= 1:
+            h.append(min(1.0, rho))
+            continue
+        mu = np.minimum(q(v), rho * measure.cond(v)).sum()
+        h.append(max(0.0, rho - mu) / (1 - mu))
+    return np.array(h)
+
+
+def gbv(p, q, drafts):
+    """RGBV: couple each draft in turn with the current conditional law of the target block."""
+    L, outs = len(drafts[0]), []
+
+    def visit(prob, k, measure, best):
+        if k == len(drafts):  # correction from the final law; the rest of the window continues from it
+            cont = lambda v: measure.cond(v) if len(v) < L else p(v)  # noqa: E731
+            outs.extend(_emit(prob, best, measure.cond(best), cont))
+            return
+        x = drafts[k]
+        for t, p_t in enumerate(tau_law(_greedy_h(measure, q, x))):
+            if p_t <= 0:
+                continue
+            if t == L:  # the whole block agrees with Y: bonus, beyond every pending window
+                outs.extend(_emit(prob * p_t, x, p(x), p))
+            else:
+                visit(prob * p_t, k + 1, _residual(measure, q, x[:t]), max(best, x[:t], key=len))
+
+    visit(1.0, 0, _Measure(p), ())
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token-level tree verifiers: SpecTr K-SEQ (section 5), SpecInfer (6.2), NSS (6.1)
+# ---------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1 << 12)
+def _kseq_rho(p_bytes, q_bytes, k, steps=64):
+    """Smallest rho in [1, k] with 1 - (1 - beta(rho))^k <= rho beta(rho) (bisection, valid upper end).
+    Memoised on the bytes of p and q: the same nodes recur in many draft tuples."""
+    p, q = np.frombuffer(p_bytes), np.frombuffer(q_bytes)
+    lo, hi = 1.0, float(k)
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        beta = np.minimum(q, p / mid).sum()
+        lo, hi = (mid, hi) if 1 - (1 - beta) ** k >= mid * beta else (lo, mid)
+    return hi
+
+
+def _kseq_node(p, q, children):
+    rho = _kseq_rho(p.tobytes(), q.tobytes(), len(children)) if len(children) > 1 else 1.0
+    beta = np.minimum(q, p / rho).sum()
+    if beta <= 0:
+        return p.copy()
+    law, reach = np.zeros(len(p)), 1.0
+    for c in children:
+        accept = min(1.0, p[c] / (rho * q[c]))
+        law[c] += reach * accept
+        reach *= 1 - accept
+    residual = np.maximum(p - np.minimum(q, p / rho) * (1 - (1 - beta) ** len(children)) / beta, 0.0)
+    return law + reach * _normalise(residual, p)
+
+
+def _specinfer_node(p, q, children):
+    law, reach, current = np.zeros(len(p)), 1.0, p.copy()
+    for c in children:
+        accept = min(1.0, current[c] / q[c])
+        law[c] += reach * accept
+        reach *= 1 - accept
+        if reach <= 0:
+            return law
+        current = _normalise(np.maximum(current - q, 0.0), current)
+    return law + reach * current
+
+
+def _nss_node(p, q, children):
+    return p.copy()
+
+
+def _tree(node_law):
+    """Top-down walk of the draft trie: sample the node's output law, descend while the token is a child
+    (even when it came from a residual), else it is the correction; bonus at depth L."""
+
+    def verify(p, q, drafts):
+        L, outs = len(drafts[0]), []
+
+        def visit(prob, v, alive):
+            if len(v) == L:
+                outs.extend(_emit(prob, v, p(v), p))
+                return
+            law = node_law(p(v), q(v), [d[len(v)] for d in alive])
+            for c in np.flatnonzero(law > 0):
+                through = [d for d in alive if d[len(v)] == c]
+                if through:
+                    visit(prob * law[c], v + (int(c),), through)
+                else:
+                    outs.append((prob * law[c], v + (int(c),), p))
+
+        visit(1.0, (), list(drafts))
+        return outs
+
+    return verify
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# multipath: Thomas and Pal's greedy multi-path block verification (section 7), tie-breaking fixed
+# ---------------------------------------------------------------------------------------------------------------
+def _key(p, q, v, c):
+    """Strict per-node order, used both to select the path and to compute its law: (min(1, p/q), token id)."""
+    qc = q(v)[c]
+    return (min(1.0, p(v)[c] / qc) if qc > 0 else -1.0, c)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _skewed_draft(p, q, path, K):
+    """q~(.|path^i), i < L: the exact law of the next token of the best of K i.i.d. paths (stable form).
+    Memoised: the same path is selected from many draft tuples."""
+    skew, below, mass = {}, 0.0, 1.0  # below = draft mass of depth-i prefixes ordered before path^i; mass = S(path^i)
+    for i in range(len(path)):
+        v, qv = path[:i], q(path[:i])
+        before = np.zeros(len(qv))  # F^-(c): draft mass of the tokens ordered before c
+        order = sorted(range(len(qv)), key=lambda c: _key(p, q, v, c))
+        before[order] = np.concatenate([[0.0], np.cumsum(qv[order])[:-1]])
+        total = below + mass
+        u, w, t = (below + mass * before) / total, mass * qv / total, below / total
+        j = np.arange(K)[:, None]
+        skew[v] = qv * ((u + w) ** j * u ** (K - 1 - j)).sum(0) / (t ** np.arange(K)).sum()
+        below, mass = below + mass * before[path[i]], mass * qv[path[i]]
+    return skew
+
+
+def multipath(p, q, drafts):
+    K, L = len(drafts), len(drafts[0])
+    best = max(drafts, key=lambda x: [_key(p, q, x[:i], x[i]) for i in range(L)])
+    skew = _skewed_draft(p, q, best, K)
+    q_best = lambda v: skew[v]  # noqa: E731  (only queried along the selected path)
+    return _single_path(p, q_best, best, _bv_h(p, q_best, best), _bv_weights(p, q_best, best))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# spectr_gbv_paper: the published SpecTr-GBV rule as released (section 8.2); NOT lossless at temperature > 0
+# ---------------------------------------------------------------------------------------------------------------
+def spectr_gbv_paper(p, q, drafts):
+    K, L, V = len(drafts), len(drafts[0]), vocab_size(p)
+    outs = []
+
+    @functools.cache
+    def gain(v):  # G(v) = B(v) f(v), f = 1 - (1 - min(1, S/B))^K
+        b = joint(p, v)
+        return b * (1 - (1 - min(1.0, joint(q, v) / b)) ** K) if b > 0 else 0.0
+
+    def covered(v):  # sigma(v): probability that some of the K drafts passes through v
+        return 1 - (1 - joint(q, v)) ** K
+
+    def h_sub(u):
+        children = sum(gain(u + (c,)) for c in range(V))
+        den = covered(u) - children
+        return min(1.0, max(0.0, (gain(u) - children) / den)) if den > 0 else 0.0
+
+    def finish(prob, acc):
+        b, s = joint(p, acc), joint(q, acc)
+        pb, qs = p(acc), q(acc)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = np.where(b * pb > 0, b * pb * (1 - np.minimum(1.0, s * qs / (b * pb))) ** K, 0.0)
+        outs.extend(_emit(prob, acc, _normalise(r, pb), p))
+
+    def test(prob, k, length, tau, acc, seen):
+        """Draft k tests its sub-blocks of lengths length..L-1 (the range starts after the accepted prefix),
+        then its full block."""
+        if prob <= 0:
+            return
+        if k == K:
+            return finish(prob, acc)
+        x = drafts[k]
+        if length < L:
+            u = x[:length]
+            if u in seen:
+                return test(prob, k, length + 1, tau, acc, seen)
+            h = h_sub(u)
+            test(prob * h, k, length + 1, length, u, seen)
+            return test(prob * (1 - h), k, length + 1, tau, acc, seen | {u})
+        h_full = min(1.0, gain(x) / covered(x))
+        if h_full > 0:
+            outs.extend(_emit(prob * h_full, x, p(x), p))
+        test(prob * (1 - h_full), k + 1, tau + 1, tau, acc, seen)
+
+    test(1.0, 0, 1, 0, (), frozenset())
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------------------------------------------
+VERIFIERS = {
+    "token": token,
+    "bv": bv,
+    "gbv": gbv,
+    "spectr": _tree(_kseq_node),
+    "specinfer": _tree(_specinfer_node),
+    "nss": _tree(_nss_node),
+    "multipath": multipath,
+    "spectr_gbv_paper": spectr_gbv_paper,
+}
+LOSSLESS = tuple(name for name in VERIFIERS if name != "spectr_gbv_paper")
+SINGLE_DRAFT = ("token", "bv")
+
+
+def outcomes(name, p, q, drafts):
+    """Exact law of one iteration given the K draft paths: [(prob, accepted prefix + extra token, cont)]."""
+    return VERIFIERS[name](p, q, tuple(tuple(d) for d in drafts))
+
+
+def _draft_tuples(q, L, K):
+    """All K-tuples of i.i.d. draft paths of length L with their probability under q."""
+    paths = [(x, joint(q, x)) for x in _sequences(vocab_size(q), L)]
+    paths = [(x, w) for x, w in paths if w > 0]
+    for combo in itertools.product(paths, repeat=K):
+        yield tuple(x for x, _ in combo), float(np.prod([w for _, w in combo]))
+
+
+def iteration_law(name, p, q, L, K):
+    """One iteration with the K i.i.d. drafts integrated out: {(emitted tokens, cont): probability}."""
+    law = {}
+    for drafts, w in _draft_tuples(q, L, K):
+        for prob, emitted, cont in outcomes(name, p, q, drafts):
+            law[emitted, cont] = law.get((emitted, cont), 0.0) + w * prob
+    return law
+
+
+def expected_accepted(name, p, q, L, K):
+    """E[tau] of one iteration (accepted draft tokens; block efficiency = E[tau] + 1)."""
+    return sum(prob * (len(emitted) - 1) for (emitted, _), prob in iteration_law(name, p, q, L, K).items())
+
+
+def stream_law(name, p, q, L, K, n, iterations=1):
+    """Law of the first n generated tokens: `iterations` verification iterations, each on fresh drafts from q
+    after the emitted tokens and verified against the previous iteration's continuation (the modified target for
+    gbv), then the stream is continued by the last continuation."""
+    vocab, law = vocab_size(p), {}
+
+    def extend(prob, seq, cond):
+        if len(seq) >= n:
+            law[seq[:n]] = law.get(seq[:n], 0.0) + prob
+            return
+        dist = cond(seq)
+        for c in np.flatnonzero(dist > 0):
+            extend(prob * dist[c], seq + (int(c),), cond)
+
+    def iterate(prob, seq, target, it):  # seq, target: absolute (from the stream start)
+        if it == iterations or len(seq) >= n:
+            return extend(prob, seq, target)
+        p_block = lambda v: target(seq + v)  # noqa: E731
+        q_block = lambda v: q(seq + v)  # noqa: E731
+        for (emitted, cont), o_prob in iteration_law(name, p_block, q_block, L, K).items():
+            shifted = lambda v, cont=cont: cont(v[len(seq):])  # noqa: E731
+            iterate(prob * o_prob, seq + emitted, shifted, it + 1)
+
+    iterate(1.0, (), p, 0)
+    return law
+
+
+def law_error(name, p, q, L, K, iterations=1, n=None):
+    """max |law - target law| of the first n tokens (default L+1, the next block plus its extra token)."""
+    n = L + 1 if n is None else n
+    return max_abs_diff(stream_law(name, p, q, L, K, n, iterations), target_law(p, n))
+
+
+def block_acceptance(name, p, q, draft):
+    """h_1..h_L of a single draft for token, bv and gbv (K=1), in the form tau = max{i : U_i <= h_i}: the same
+    posteriors a batched kernel must compute on the same inputs. (Token SD's forward rule `stop at the first
+    U_i > min(1, p/q)` is rewritten in this backward form; its tau law is the same.)"""
+    x = tuple(draft)
+    rules = {"token": _token_h, "bv": _bv_h, "gbv": lambda p, q, x: _greedy_h(_Measure(p), q, x)}
+    if name not in rules:
+        raise ValueError(f"block_acceptance: name={name!r}; allowed: {sorted(rules)}")
+    return rules[name](p, q, x)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bounds: optimal-transport acceptance (section 6.4) and the paper's claimed optimum (section 8.1)
+# ---------------------------------------------------------------------------------------------------------------
+def alpha_star_brute(p_vec, q_vec, K):
+    """min over all subsets A of p(A) + 1 - q(A)^K (max-flow / min-cut form of the OT optimum)."""
+    idx = range(len(p_vec))
+    return min(
+        p_vec[list(A)].sum() + 1 - q_vec[list(A)].sum() ** K
+        for r in range(len(p_vec) + 1)
+        for A in itertools.combinations(idx, r)
+    )
+
+
+def alpha_star(p_vec, q_vec, K):
+    """Same optimum, with A restricted to prefixes of the tokens sorted by increasing p/q (O(V log V))."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(q_vec > 0, p_vec / q_vec, np.inf)
+    order = np.argsort(ratio, kind="stable")
+    cuts = np.cumsum(p_vec[order]) + 1 - np.cumsum(q_vec[order]) ** K
+    return float(min(1.0, cuts.min()))
+
+
+def _depth_laws(p, q, t):
+    seqs = _sequences(vocab_size(p), t)
+    return np.array([joint(p, s) for s in seqs]), np.array([joint(q, s) for s in seqs])
+
+
+def bound_sum(p, q, L, K):
+    """sum_t alpha*_t: the OT optimum of the depth-t prefix laws, an upper bound on E[tau] of any lossless
+    verifier with K i.i.d. drafts."""
+    return sum(alpha_star(*_depth_laws(p, q, t), K) for t in range(1, L + 1))
+
+
+def claimed_C(p, q, L, K):
+    """The paper's claimed optimum C_L(K) = sum_t sum_x B(x) [1 - (1 - min(1, S/B))^K]."""
+    total = 0.0
+    for t in range(1, L + 1):
+        b, s = _depth_laws(p, q, t)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            total += np.where(b > 0, b * (1 - (1 - np.minimum(1.0, s / b)) ** K), 0.0).sum()
+    return float(total)
