@@ -1,0 +1,55 @@
+"""Sampling settings and the logits -> probabilities warp shared by drafter and target.
+
+Every verifier is lossless with respect to the *warped* target distribution, so drafter and target must go
+through exactly this function (spec section 9): logits / T -> top-k mask -> top-p mask -> renormalise.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # 0 = greedy: an exact one-hot of the argmax
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    # The drafter's temperature (None -> temperature). With several drafts at temperature 0 give a positive one,
+    # or all K greedy drafts are identical and multi-draft gains nothing.
+    draft_temperature: float | None = None
+
+    def __post_init__(self):
+        for key, value, ok, allowed in [
+            ("temperature", self.temperature, self.temperature >= 0, ">= 0"),
+            ("top_k", self.top_k, self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+            ("draft_temperature", self.draft_temperature,
+             self.draft_temperature is None or self.draft_temperature >= 0, ">= 0 or None"),
+        ]:
+            if not ok:
+                raise ValueError(f"sampling.{key}={value!r} is not allowed: must be {allowed}")
+
+    @property
+    def drafter_temperature(self) -> float:
+        return self.temperature if self.draft_temperature is None else self.draft_temperature
+
+
+def warp(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Next-token probabilities [..., V] from logits [..., V], in float32 or wider (float64 stays float64)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature == 0:  # greedy: exact one-hot, no division by zero
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth_largest = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        # keep a token while the mass strictly before it is < top_p: the smallest set reaching top_p
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
