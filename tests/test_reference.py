@@ -1,0 +1,192 @@
+"""The exact reference laws: every lossless verifier reproduces the target law, the published SpecTr-GBV rule does
+not, and the numbers match the spec's anchors and identities. Everything here is exact enumeration (float64)."""
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy.optimize import linprog
+
+from spectr_gbv.verifiers import reference as ref
+from spectr_gbv.verifiers.reference import (
+    LOSSLESS,
+    SINGLE_DRAFT,
+    ConstModel,
+    RandModel,
+    alpha_star,
+    alpha_star_brute,
+    block_acceptance,
+    bound_sum,
+    claimed_C,
+    expected_accepted,
+    joint,
+    law_error,
+    tau_law,
+)
+
+EXACT = 1e-12
+
+ANCHORS = {  # spec section 11: (p, q, L, K)
+    "A": ([1 / 3, 2 / 3], [2 / 3, 1 / 3], 2, 2),
+    "B": ([0.5, 0.3, 0.2], [0.2, 0.3, 0.5], 2, 2),
+    "C": ([0.6, 0.3, 0.1], [0.3, 0.3, 0.4], 3, 2),
+}
+# E[tau] of the first iteration; single-draft verifiers and "gbv@1" at K=1, the others at the anchor's K.
+ANCHOR_E_TAU = {
+    "A": dict(token=1.111111, bv=1.222222, **{"gbv@1": 1.333333}, nss=1.012346, specinfer=1.333333,
+              spectr=1.405487, multipath=1.617284, gbv=1.481481, spectr_gbv_paper=1.403435),
+    "B": dict(token=1.190000, bv=1.250000, **{"gbv@1": 1.310000}, nss=0.641791, specinfer=1.305800,
+              spectr=1.367192, multipath=1.325200, gbv=1.405400, spectr_gbv_paper=1.297984),
+    "C": dict(token=1.533000, bv=1.632000, **{"gbv@1": 1.737000}, nss=0.764460, specinfer=1.768116,
+              spectr=1.861485, multipath=1.816284, gbv=1.946313, spectr_gbv_paper=1.827053),
+}
+ANCHOR_BOUNDS = {"A": (1.583333, 1.654321), "B": (1.535600, 1.604400), "C": (2.169375, 2.297379)}  # C_L(K), sum a*
+
+# (V, L, K) small enough to enumerate V^(L K) draft tuples quickly; all with zeros in p and q.
+SHAPES = [(2, 1, 1), (3, 1, 3), (2, 2, 2), (3, 2, 1), (3, 2, 2), (2, 3, 1), (2, 3, 3), (3, 3, 1), (2, 2, 3)]
+
+
+def anchor(name):
+    p, q, L, K = ANCHORS[name]
+    return ConstModel(p), ConstModel(q), L, K
+
+
+def random_pair(vocab, seed):
+    """Context-dependent target and drafter with zeros in both (top-k-like truncation)."""
+    return (RandModel(vocab, 100 + seed, concentration=0.8, zero_prob=0.25),
+            RandModel(vocab, 200 + seed, concentration=0.8, zero_prob=0.25))
+
+
+def drafts_for(name, K):
+    return 1 if name in SINGLE_DRAFT else K
+
+
+# --- losslessness -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", LOSSLESS)
+@pytest.mark.parametrize("vocab,L,K", SHAPES)
+def test_lossless_verifiers_give_the_target_law(name, vocab, L, K):
+    for seed in range(2):
+        p, q = random_pair(vocab, seed)
+        assert law_error(name, p, q, L, drafts_for(name, K)) < EXACT
+
+
+@pytest.mark.parametrize("vocab,L,K", [(2, 2, 1), (3, 2, 1), (2, 3, 1), (2, 2, 2), (2, 3, 2)])
+def test_gbv_stays_exact_over_two_iterations(vocab, L, K):
+    p, q = random_pair(vocab, seed=7)
+    assert law_error("gbv", p, q, L, K, iterations=2, n=2 * L + 1) < EXACT
+
+
+def gbv_without_modification(p, q, drafts):
+    """Broken control: gbv's acceptance and correction, but the stream continues from the plain target."""
+    return [(prob, emitted, p) for prob, emitted, _ in ref.gbv(p, q, drafts)]
+
+
+@pytest.mark.parametrize("vocab,L,K,iterations", [(2, 3, 1, 1), (2, 3, 2, 1), (3, 2, 1, 2), (2, 2, 2, 2)])
+def test_gbv_without_its_modification_is_caught(monkeypatch, vocab, L, K, iterations):
+    monkeypatch.setitem(ref.VERIFIERS, "gbv_unmodified", gbv_without_modification)
+    p, q = random_pair(vocab, seed=7)
+    assert law_error("gbv_unmodified", p, q, L, K, iterations=iterations, n=2 * L + 1) > 1e-3
+
+
+def test_gbv_without_its_modification_on_the_toy_example(monkeypatch):
+    monkeypatch.setitem(ref.VERIFIERS, "gbv_unmodified", gbv_without_modification)
+    p, q, L, _ = anchor("A")
+    assert law_error("gbv_unmodified", p, q, L, 1) == pytest.approx(0.074, abs=5e-4)  # spec section 4
+
+
+@pytest.mark.parametrize("name", ANCHORS)
+def test_spectr_gbv_paper_is_biased_at_the_anchors(name):
+    p, q, L, K = anchor(name)
+    assert law_error("spectr_gbv_paper", p, q, L, K) > 0.01
+
+
+def one_hot_target(vocab, seed):
+    base = RandModel(vocab, 300 + seed)
+    return lambda prefix: np.eye(vocab)[np.argmax(base(prefix))]
+
+
+@pytest.mark.parametrize("name", ref.VERIFIERS)
+@pytest.mark.parametrize("vocab,L,K", [(3, 2, 2), (2, 3, 2), (3, 3, 1)])
+def test_temperature_zero_is_exact_for_every_verifier(name, vocab, L, K):
+    p, (_, q) = one_hot_target(vocab, seed=1), random_pair(vocab, seed=1)
+    assert law_error(name, p, q, L, drafts_for(name, K)) < EXACT
+
+
+# --- anchor values ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ANCHORS)
+def test_anchor_values(name):
+    p, q, L, K = anchor(name)
+    for column, value in ANCHOR_E_TAU[name].items():
+        verifier, k = ("gbv", 1) if column == "gbv@1" else (column, drafts_for(column, K))
+        assert expected_accepted(verifier, p, q, L, k) == pytest.approx(value, abs=1e-6), column
+    assert (claimed_C(p, q, L, K), bound_sum(p, q, L, K)) == pytest.approx(ANCHOR_BOUNDS[name], abs=1e-6)
+
+
+# --- identities ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab,L", [(2, 3), (3, 2), (3, 3)])
+def test_gbv_single_draft_attains_the_sum_of_overlaps(vocab, L):
+    p, q = random_pair(vocab, seed=3)
+    overlaps = sum(min(joint(p, s), joint(q, s))
+                   for t in range(1, L + 1) for s in itertools.product(range(vocab), repeat=t))
+    assert expected_accepted("gbv", p, q, L, 1) == pytest.approx(overlaps, abs=EXACT)
+    assert claimed_C(p, q, L, 1) == pytest.approx(overlaps, abs=EXACT)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_gbv_with_one_token_is_specinfer(K):
+    p, q = random_pair(4, seed=K)
+    assert expected_accepted("gbv", p, q, 1, K) == pytest.approx(expected_accepted("specinfer", p, q, 1, K), abs=EXACT)
+
+
+@pytest.mark.parametrize("vocab,L", [(2, 3), (3, 2), (3, 3)])
+def test_single_draft_orderings(vocab, L):
+    p, q = random_pair(vocab, seed=4)
+    token, bv = expected_accepted("token", p, q, L, 1), expected_accepted("bv", p, q, L, 1)
+    assert expected_accepted("multipath", p, q, L, 1) == pytest.approx(bv, abs=EXACT)
+    assert token <= bv + EXACT
+
+
+@pytest.mark.parametrize("name", ["token", "bv", "gbv"])
+def test_block_acceptance_gives_the_accepted_length(name):
+    p, q = random_pair(3, seed=5)
+    L = 3
+    drafts = [x for x in itertools.product(range(3), repeat=L) if joint(q, x) > 0]
+    from_h = sum(joint(q, x) * np.dot(np.arange(L + 1), tau_law(block_acceptance(name, p, q, x))) for x in drafts)
+    assert from_h == pytest.approx(expected_accepted(name, p, q, L, 1), abs=EXACT)
+
+
+def lp_alpha_star(p_vec, q_vec, K):
+    """The OT problem itself: max P(Y in {X_1..X_K}) over couplings of q^K and p (variables pi(x, y))."""
+    V = len(p_vec)
+    tuples = list(itertools.product(range(V), repeat=K))
+    gain = np.array([-float(y in x) for x in tuples for y in range(V)])
+    rows = [np.kron(np.eye(len(tuples))[i], np.ones(V)) for i in range(len(tuples))]
+    rows += [np.kron(np.ones(len(tuples)), np.eye(V)[y]) for y in range(V)]
+    mass = [np.prod(q_vec[list(x)]) for x in tuples] + list(p_vec)
+    return -linprog(gain, A_eq=np.array(rows), b_eq=mass, bounds=(0, None), method="highs").fun
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_alpha_star_three_ways(K):
+    rng = np.random.default_rng(K)
+    for _ in range(5):
+        p_vec, q_vec = (np.where(rng.random(4) < 0.25, 0.0, rng.dirichlet(np.ones(4))) for _ in range(2))
+        p_vec, q_vec = p_vec / p_vec.sum(), q_vec / q_vec.sum()
+        brute = alpha_star_brute(p_vec, q_vec, K)
+        assert alpha_star(p_vec, q_vec, K) == pytest.approx(brute, abs=EXACT)
+        assert lp_alpha_star(p_vec, q_vec, K) == pytest.approx(brute, abs=1e-7)
+
+
+@pytest.mark.parametrize("vocab,L,K", [(2, 2, 2), (3, 2, 2), (2, 3, 3), (3, 2, 3)])
+def test_no_lossless_verifier_beats_the_bound(vocab, L, K):
+    p, q = random_pair(vocab, seed=6)
+    bound = bound_sum(p, q, L, K)
+    assert claimed_C(p, q, L, K) <= bound + EXACT
+    for name in LOSSLESS:
+        assert expected_accepted(name, p, q, L, drafts_for(name, K)) <= bound + EXACT, name
+
+
+def test_single_draft_verifier_refuses_several_drafts():
+    p, q = random_pair(2, seed=0)
+    with pytest.raises(ValueError, match="single draft"):
+        ref.outcomes("bv", p, q, [(0,), (1,)])
