@@ -1,0 +1,113 @@
+"""What every verifier shares: the call contract, input checks, and the few tensor steps they all use.
+
+Shapes: B independent sequences, K draft blocks of L tokens each, vocabulary V.
+  draft_tokens  int64 [B, K, L]
+  draft_probs   float [B, K, L, V]    q(. | context, first i tokens of draft k): what token i was sampled from
+  target_probs  float [B, K, L+1, V]  p(. | context, first i tokens of draft k), i = L is the bonus distribution
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class VerifierOutput:
+    """Row b emits draft_tokens[b, draft_index[b], :num_accepted[b]] and then next_token[b]."""
+
+    num_accepted: Tensor  # int64 [B], 0..L
+    draft_index: Tensor  # int64 [B], 0..K-1
+    next_token: Tensor  # int64 [B]: the correction token, or the bonus token when all L were accepted
+    state: Any = None  # thread into the next call for the same rows (None for verifiers that keep none)
+
+
+class Verifier:
+    name: ClassVar[str]
+    lossless: ClassVar[bool] = True
+    max_drafts: ClassVar[int | None] = None  # 1 for single-draft verifiers, None for any K
+
+    def __call__(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
+                 generator: torch.Generator | None = None, state: Any = None) -> VerifierOutput:
+        check_inputs(draft_tokens, draft_probs, target_probs)
+        num_drafts = draft_tokens.shape[1]
+        if self.max_drafts is not None and num_drafts > self.max_drafts:
+            raise ValueError(f"verifier {self.name!r} takes at most {self.max_drafts} draft(s), got K={num_drafts}; "
+                             "use a multi-draft verifier (gbv, spectr, specinfer, nss, multipath) for K > 1")
+        return self.verify(draft_tokens, draft_probs, target_probs, generator, state)
+
+    def verify(self, tokens: Tensor, q: Tensor, p: Tensor, generator, state) -> VerifierOutput:
+        raise NotImplementedError
+
+
+def check_inputs(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> None:
+    """Reject what would silently give wrong laws; zeros (top-k / top-p truncation) are legal."""
+    if draft_tokens.dtype != torch.int64 or draft_tokens.dim() != 3:
+        raise ValueError(f"draft_tokens must be int64 [B, K, L], got {draft_tokens.dtype} {tuple(draft_tokens.shape)}")
+    B, K, L = draft_tokens.shape
+    if K < 1 or L < 1:
+        raise ValueError(f"draft_tokens must have K >= 1 drafts and L >= 1 tokens, got shape {(B, K, L)}")
+    V = draft_probs.shape[-1]
+    expected = {"draft_probs": (draft_probs, (B, K, L, V)), "target_probs": (target_probs, (B, K, L + 1, V))}
+    for name, (probs, shape) in expected.items():
+        if tuple(probs.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} for draft_tokens {(B, K, L)}, got {tuple(probs.shape)}")
+        if probs.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{name} must be float32 or float64, got {probs.dtype}")
+        _check_distributions(name, probs)
+    if draft_tokens.min() < 0 or draft_tokens.max() >= V:
+        raise ValueError(f"draft_tokens must lie in [0, {V}), got values in "
+                         f"[{int(draft_tokens.min())}, {int(draft_tokens.max())}]")
+    if (draft_probs.gather(-1, draft_tokens.unsqueeze(-1)) <= 0).any():
+        raise ValueError("draft_probs gives zero probability to a drafted token: drafts must be sampled from draft_probs")
+
+
+def _check_distributions(name: str, probs: Tensor) -> None:
+    # Two passes over the tensor: the sum catches NaN and inf too, the min catches negative entries.
+    sums = probs.sum(-1)
+    tol = 64 * max(probs.shape[-1] ** 0.5, 16) * torch.finfo(probs.dtype).eps
+    if not torch.isfinite(sums).all():
+        raise ValueError(f"{name} contains NaN or inf")
+    if probs.amin() < 0:
+        raise ValueError(f"{name} contains negative entries")
+    worst = (sums - 1).abs().max().item()
+    if worst > tol:
+        raise ValueError(f"{name} rows must sum to 1 (tolerance {tol:.1e} for {probs.dtype}), worst is off by {worst:.2e}")
+
+
+# ---- steps shared by the verifiers -----------------------------------------------------------------------------
+
+def uniforms(shape, like: Tensor, generator) -> Tensor:
+    return torch.rand(shape, generator=generator, dtype=like.dtype, device=like.device)
+
+
+def sample(probs: Tensor, generator) -> Tensor:
+    """One categorical draw per row of probs [..., V] (rows need not be normalised)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def normalise(residual: Tensor, fallback: Tensor) -> Tensor:
+    """residual / its sum; rows that sum to 0 have zero probability of being used in exact arithmetic
+    (a rejection implies positive residual mass), so they fall back to a valid distribution instead of NaN."""
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), fallback)
+
+
+def token_probs(probs: Tensor, tokens: Tensor) -> Tensor:
+    """probs[..., i, tokens[..., i]] for the first tokens.shape[-1] positions."""
+    return probs[..., : tokens.shape[-1], :].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def last_success(h: Tensor, u: Tensor) -> Tensor:
+    """tau = max{i >= 1 : u_i <= h_i}, 0 if none; h, u [B, L] hold positions 1..L."""
+    positions = torch.arange(1, h.shape[-1] + 1, device=h.device)
+    return ((u <= h) * positions).amax(-1)
+
+
+def pick(x: Tensor, index: Tensor) -> Tensor:
+    """x[b, index[b]] for x [B, N, ...] and index [B]."""
+    view = index.view(-1, *([1] * (x.dim() - 1))).expand(-1, 1, *x.shape[2:])
+    return x.gather(1, view).squeeze(1)

@@ -1,0 +1,132 @@
+"""Single-path verifiers: token-level speculative sampling (spec 2), block verification (spec 3), and Thomas and
+Pal's greedy multi-path block verification (spec 7), which is block verification of the best of the K paths
+against that path's exact ("skewed") draft law."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Verifier, VerifierOutput, last_success, normalise, pick, sample, token_probs, uniforms
+
+
+def correction_or_bonus(p: Tensor, q: Tensor, tau: Tensor, weight: Tensor, generator) -> Tensor:
+    """The extra token: bonus ~ p(.|x^L) when tau = L, else a correction from norm((w_tau p - q)_+) at x^tau.
+    p [B, L+1, V], q [B, L, V], tau and weight [B]."""
+    L = q.shape[1]
+    p_tau = pick(p, tau)
+    q_tau = pick(q, tau.clamp(max=L - 1))
+    residual = normalise((weight[:, None] * p_tau - q_tau).clamp_min(0), p_tau)
+    return sample(torch.where((tau == L)[:, None], p_tau, residual), generator)
+
+
+class TokenVerifier(Verifier):
+    """Leviathan et al. / Chen et al.: accept token i with probability min(1, p/q), stop at the first rejection."""
+
+    name = "token"
+    max_drafts = 1
+
+    def verify(self, tokens, q, p, generator, state):
+        x, q, p = tokens[:, 0], q[:, 0], p[:, 0]
+        accepted = uniforms(x.shape, q, generator) <= token_probs(p, x) / token_probs(q, x)
+        tau = accepted.long().cumprod(-1).sum(-1)
+        next_token = correction_or_bonus(p, q, tau, torch.ones_like(p[:, 0, 0]), generator)
+        return VerifierOutput(tau, torch.zeros_like(tau), next_token)
+
+
+def bv_acceptance(x: Tensor, q: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
+    """Block verification's h_1..h_L [B, L] and weights w_0..w_L [B, L+1] (spec 3), weights in log space."""
+    log_ratio = token_probs(p, x).log() - token_probs(q, x).log()
+    log_w = [torch.zeros_like(log_ratio[:, 0])]
+    for i in range(x.shape[1]):
+        log_w.append((log_w[-1] + log_ratio[:, i]).clamp(max=0))
+    w = torch.stack(log_w, -1).exp()
+    L = x.shape[1]
+    excess = (w[:, 1:L, None] * p[:, 1:L] - q[:, 1:L]).clamp_min(0).sum(-1)
+    denominator = excess + 1 - w[:, 1:L]
+    h_inner = torch.where(denominator > 0, excess / denominator.clamp_min(torch.finfo(w.dtype).tiny),
+                          torch.ones_like(excess))
+    return torch.cat([h_inner, w[:, L:]], -1), w
+
+
+def block_verify(x: Tensor, q: Tensor, p: Tensor, generator) -> tuple[Tensor, Tensor]:
+    """Block verification of one path: x [B, L], q [B, L, V], p [B, L+1, V] -> (tau, next_token)."""
+    h, w = bv_acceptance(x, q, p)
+    tau = last_success(h, uniforms(h.shape, h, generator))
+    return tau, correction_or_bonus(p, q, tau, pick(w, tau), generator)
+
+
+class BlockVerifier(Verifier):
+    """Sun et al. (ICLR 2025): accept the longest sub-block that survives a backward pass of tests."""
+
+    name = "bv"
+    max_drafts = 1
+
+    def verify(self, tokens, q, p, generator, state):
+        tau, next_token = block_verify(tokens[:, 0], q[:, 0], p[:, 0], generator)
+        return VerifierOutput(tau, torch.zeros_like(tau), next_token)
+
+
+def best_path(tokens: Tensor, q: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
+    """Walk the draft trie from the root, stepping to the child with the largest key (min(1, p/q), token id).
+    Returns the index of a draft equal to the selected path [B] and, per depth, the lowest-index draft through the
+    selected node [B, L]: every distribution of a node is read from that one row, so selection and skew agree."""
+    B, K, L = tokens.shape
+    alive = torch.ones(B, K, dtype=torch.bool, device=tokens.device)
+    node_rows = []
+    for d in range(L):
+        row = alive.long().argmax(-1)
+        node_rows.append(row)
+        candidates = tokens[:, :, d]
+        key = ratio_key(pick(p[:, :, d], row), pick(q[:, :, d], row)).gather(-1, candidates)
+        key = key.masked_fill(~alive, -2.0)
+        ties = key == key.amax(-1, keepdim=True)
+        chosen = candidates.masked_fill(~ties, -1).amax(-1)
+        alive &= candidates == chosen[:, None]
+    return alive.long().argmax(-1), torch.stack(node_rows, -1)
+
+
+def ratio_key(p: Tensor, q: Tensor) -> Tensor:
+    """min(1, p/q) per token; tokens the drafter cannot produce rank last (-1)."""
+    return torch.where(q > 0, (p / q.clamp_min(torch.finfo(q.dtype).tiny)).clamp(max=1), torch.full_like(q, -1.0))
+
+
+def skewed_draft(x: Tensor, q_nodes: Tensor, p_nodes: Tensor, num_drafts: int) -> Tensor:
+    """Exact law of the lexicographic maximum of K i.i.d. paths along the selected path x (spec 7, step 3).
+    Keeps the masses below / on the path normalised (a + s = 1) so nothing under- or overflows with depth."""
+    B, L, V = q_nodes.shape
+    below_mass = torch.zeros(B, dtype=q_nodes.dtype, device=q_nodes.device)  # a = A_v / D
+    path_mass = torch.ones_like(below_mass)  # s = x_v / D
+    skewed = []
+    for d in range(L):
+        qn = q_nodes[:, d]
+        order = ratio_key(p_nodes[:, d], qn).argsort(dim=-1, stable=True)  # ascending key, ties by token id
+        q_sorted = qn.gather(-1, order)
+        below = torch.empty_like(qn).scatter_(-1, order, q_sorted.cumsum(-1) - q_sorted)  # F^-(c)
+        u = below_mass[:, None] + path_mass[:, None] * below
+        w = path_mass[:, None] * qn
+        numerator = sum((u + w) ** j * u ** (num_drafts - 1 - j) for j in range(num_drafts))
+        denominator = sum(below_mass ** j for j in range(num_drafts))
+        skewed.append(qn * numerator / denominator[:, None])
+        c = x[:, d:d + 1]
+        below_mass = below_mass + path_mass * below.gather(-1, c).squeeze(-1)
+        path_mass = path_mass * qn.gather(-1, c).squeeze(-1)
+        total = below_mass + path_mass
+        below_mass, path_mass = below_mass / total, path_mass / total
+    return torch.stack(skewed, 1)
+
+
+class MultiPathVerifier(Verifier):
+    """Thomas and Pal: select the best of the K paths, then block-verify it against its skewed draft law.
+    Selection and skew use the same strict key (ratio, token id): the reference code's mismatch is biased."""
+
+    name = "multipath"
+
+    def verify(self, tokens, q, p, generator, state):
+        B, K, L = tokens.shape
+        selected, node_rows = best_path(tokens, q, p)
+        x = pick(tokens, selected)
+        depth = torch.arange(L, device=tokens.device)
+        q_nodes = q[torch.arange(B)[:, None], node_rows, depth]
+        p_nodes = torch.cat([p[torch.arange(B)[:, None], node_rows, depth], pick(p, selected)[:, L:]], 1)
+        tau, next_token = block_verify(x, skewed_draft(x, q_nodes, p_nodes, K), p_nodes, generator)
+        return VerifierOutput(tau, selected, next_token)

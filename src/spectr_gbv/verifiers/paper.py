@@ -1,0 +1,64 @@
+"""`spectr_gbv_paper`: the SpecTr-GBV acceptance rule as published (spec 8.2), kept to reproduce the paper's numbers.
+
+NOT lossless at temperature > 0: for K >= 2 its output law differs from the target's even for one token, and it
+omits the target modification that greedy block verification needs across iterations (spec 8.3; law error 0.02 to
+0.10 on the anchors). At temperature 0 it reduces to the longest match with the greedy path, which is exact.
+Use `gbv` for anything that needs exactness.
+
+Notation: S, B draft and target joint masses of a sub-block, a = min(1, S/B), f = 1 - (1 - a)^K,
+G = B f, sigma = 1 - (1 - S)^K.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Verifier, VerifierOutput, normalise, pick, sample, token_probs, uniforms
+
+DENOMINATOR_GUARD = 1e-20  # as in the published code
+
+
+class PaperSpecTrGBVVerifier(Verifier):
+    name = "spectr_gbv_paper"
+    lossless = False
+
+    def verify(self, tokens, q, p, generator, state):
+        B, K, L = tokens.shape
+        dtype = q.dtype
+        q, p = q.double(), p.double()  # joint masses of whole blocks underflow float32
+        one = torch.ones_like(q[:, :, :1, 0])
+        S = torch.cat([one, token_probs(q, tokens).cumprod(-1)], -1)  # [B, K, L+1]
+        Bm = torch.cat([one, token_probs(p, tokens).cumprod(-1)], -1)
+        f = lambda s, b: 1 - (1 - torch.where(b > 0, s / b.clamp_min(1e-300), 1.0).clamp(max=1)) ** K
+        sigma = 1 - (1 - S) ** K
+
+        # h of every sub-block u = x^i, i = 1..L-1, of every draft at once: [G(u) - sum_c G(uc)] / [sigma(u) - ...]
+        S_in, B_in = S[:, :, 1:L, None], Bm[:, :, 1:L, None]
+        children = (B_in * p[:, :, 1:L] * f(S_in * q[:, :, 1:L], B_in * p[:, :, 1:L])).sum(-1)
+        G = Bm * f(S, Bm)
+        h_sub = ((G[:, :, 1:L] - children) / (sigma[:, :, 1:L] - children + DENOMINATOR_GUARD)).clamp(0, 1)
+        h_full = (G[:, :, L] / (sigma[:, :, L] + DENOMINATOR_GUARD)).clamp(0, 1)
+
+        # same_prefix[b, k, j, i]: drafts k and j agree on their first i tokens
+        agree = (tokens[:, :, None, :] == tokens[:, None, :, :]).long().cumprod(-1).bool()
+        u_sub, u_full = uniforms((B, K, L), q, generator), uniforms((B, K), q, generator)
+        tau = torch.zeros(B, dtype=torch.long, device=q.device)
+        sel, done = torch.zeros_like(tau), torch.zeros(B, dtype=torch.bool, device=q.device)
+        rejected = torch.zeros(B, K, L, dtype=torch.bool, device=q.device)  # the published code's "seen" set
+        for k in range(K):
+            start = tau.clone()  # the range of sub-blocks is fixed when draft k starts
+            for i in range(1, L):
+                seen = (rejected[:, :k, i] & agree[:, k, :k, i - 1]).any(-1)
+                tested = ~done & (i > start) & ~seen
+                accept = tested & (u_sub[:, k, i] < h_sub[:, k, i - 1])
+                tau, sel = torch.where(accept, i, tau), torch.where(accept, k, sel)
+                rejected[:, k, i] = tested & ~accept
+            full = ~done & (u_full[:, k] < h_full[:, k])
+            tau, sel, done = torch.where(full, L, tau), torch.where(full, k, sel), done | full
+
+        # correction from the G-residual at the accepted sub-block of draft `sel`: p(c) (1 - a(acc c))^K
+        node = tau.clamp(max=L - 1)
+        p_node, q_node = pick(pick(p, sel), tau), pick(pick(q, sel), node)
+        S_acc, B_acc = pick(S, sel).gather(-1, tau[:, None]), pick(Bm, sel).gather(-1, tau[:, None])
+        residual = normalise(p_node * (1 - f(S_acc * q_node, B_acc * p_node)), p_node)
+        next_token = sample(torch.where(done[:, None], p_node, residual).to(dtype), generator)
+        return VerifierOutput(tau, sel, next_token)
