@@ -354,8 +354,9 @@ def spectr_gbv_paper(p, q, drafts):
     def finish(prob, acc):
         b, s = joint(p, acc), joint(q, acc)
         pb, qs = p(acc), q(acc)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = np.where(b * pb > 0, b * pb * (1 - np.minimum(1.0, s * qs / (b * pb))) ** K, 0.0)
+        target = b * pb
+        ratio = np.divide(s * qs, target, out=np.ones_like(target), where=target > 0)
+        r = target * (1 - np.minimum(1.0, ratio)) ** K
         outs.extend(_emit(prob, acc, _normalise(r, pb), p))
 
     def test(prob, k, length, tau, acc, seen):
@@ -412,8 +413,10 @@ def _draft_tuples(q, L, K):
         yield tuple(x for x, _ in combo), float(np.prod([w for _, w in combo]))
 
 
+@functools.lru_cache(maxsize=64)
 def iteration_law(name, p, q, L, K):
-    """One iteration with the K i.i.d. drafts integrated out: {(emitted tokens, cont): probability}."""
+    """One iteration with the K i.i.d. drafts integrated out: {(emitted tokens, cont): probability}.
+    Memoised so that E[tau] and the law error of the same instance share one enumeration."""
     law = {}
     for drafts, w in _draft_tuples(q, L, K):
         for prob, emitted, cont in outcomes(name, p, q, drafts):
@@ -423,7 +426,7 @@ def iteration_law(name, p, q, L, K):
 
 def expected_accepted(name, p, q, L, K):
     """E[tau] of one iteration (accepted draft tokens; block efficiency = E[tau] + 1)."""
-    return sum(prob * (len(emitted) - 1) for (emitted, _), prob in iteration_law(name, p, q, L, K).items())
+    return float(sum(prob * (len(emitted) - 1) for (emitted, _), prob in iteration_law(name, p, q, L, K).items()))
 
 
 def stream_law(name, p, q, L, K, n, iterations=1):
@@ -443,8 +446,9 @@ def stream_law(name, p, q, L, K, n, iterations=1):
     def iterate(prob, seq, target, it):  # seq, target: absolute (from the stream start)
         if it == iterations or len(seq) >= n:
             return extend(prob, seq, target)
-        p_block = lambda v: target(seq + v)  # noqa: E731
-        q_block = lambda v: q(seq + v)  # noqa: E731
+        # the first iteration uses p and q themselves, so that it shares iteration_law's memo with E[tau]
+        p_block = (lambda v: target(seq + v)) if seq else target
+        q_block = (lambda v: q(seq + v)) if seq else q
         for (emitted, cont), o_prob in iteration_law(name, p_block, q_block, L, K).items():
             shifted = lambda v, cont=cont: cont(v[len(seq):])  # noqa: E731
             iterate(prob * o_prob, seq + emitted, shifted, it + 1)
