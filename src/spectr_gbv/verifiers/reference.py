@@ -13,11 +13,8 @@ except for `gbv`, whose target is modified for the rest of the block window (spe
 
 import functools
 import itertools
-from collections.abc import Callable
 
 import numpy as np
-
-Model = Callable[[tuple], np.ndarray]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -92,7 +89,8 @@ def tau_law(h):
 
 
 def _normalise(r, fallback):
-    """norm(r); a residual of zero mass only occurs at contexts of probability zero, where any law will do."""
+    """norm(r), else `fallback`: for the lossless rules a residual has zero mass only at contexts of probability
+    zero, where any law will do; spectr_gbv_paper falls back to p as the spec says."""
     total = r.sum()
     return r / total if total > 0 else fallback
 
@@ -433,7 +431,7 @@ def stream_law(name, p, q, L, K, n, iterations=1):
     """Law of the first n generated tokens: `iterations` verification iterations, each on fresh drafts from q
     after the emitted tokens and verified against the previous iteration's continuation (the modified target for
     gbv), then the stream is continued by the last continuation."""
-    vocab, law = vocab_size(p), {}
+    law = {}
 
     def extend(prob, seq, cond):
         if len(seq) >= n:
