@@ -1,0 +1,77 @@
+"""Run one evaluation (or, with -m, a sweep of them): python run.py verifier=gbv num_drafts=4 dataset=all
+
+Composes conf/config.yaml, checks it, then lets Lightning's test loop decode every prompt (see spectr_gbv.module).
+Each job writes predictions.jsonl and summary.json into its Hydra output folder; rerun with
+hydra.run.dir=<that folder> to finish a job that was interrupted.
+"""
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from spectr_gbv.config import error_line, print_config_tree, validate
+
+KNOBS = ("num_drafts", "block_length", "temperature", "draft_temperature", "top_k", "top_p", "max_new_tokens",
+         "limit", "seed", "baseline")
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    validate(cfg)  # before anything heavy is imported or loaded
+    from hydra.utils import instantiate
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from spectr_gbv.data import PromptDataModule
+    from spectr_gbv.module import SpeculativeEvaluation
+    from spectr_gbv.sampling import Sampling
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN and "wandb" in cfg.logger and cfg.logger.wandb.group is None:
+        with open_dict(cfg):  # the jobs of one sweep form one W&B group
+            cfg.logger.wandb.group = Path(HydraConfig.get().sweep.dir).name
+    rank_zero_only(print_config_tree)(cfg)
+
+    knobs = {"verifier": cfg.verifier.name, **{key: cfg[key] for key in KNOBS}, "datasets": list(cfg.dataset),
+             "model_config": OmegaConf.to_container(cfg.model, resolve=True),
+             "drafter_config": OmegaConf.to_container(cfg.drafter, resolve=True)}
+    sampling = Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                        draft_temperature=cfg.draft_temperature)
+    module = SpeculativeEvaluation(
+        load_target=instantiate(cfg.model), load_drafter=instantiate(cfg.drafter), verifier=cfg.verifier.name,
+        num_drafts=cfg.num_drafts, block_length=cfg.block_length, sampling=sampling,
+        max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, baseline=cfg.baseline, output_dir=cfg.output_dir,
+        knobs=knobs)
+    datamodule = PromptDataModule(cfg.dataset, limit=cfg.limit)
+    loggers = [instantiate(logger) for logger in cfg.logger.values()]
+    trainer = instantiate(cfg.trainer, logger=loggers or False)
+    for logger in loggers:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    try:
+        trainer.test(module, datamodule=datamodule)
+    finally:
+        finish_wandb()  # each multirun job is its own W&B run
+    return module.summary.get("metrics", {}).get("overall", {}).get("block_efficiency", float("nan"))
+
+
+def finish_wandb() -> None:
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+
+
+if __name__ == "__main__":
+    # Let Hydra's exceptions reach us, so that a user's mistake becomes one line instead of Hydra's report.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except Exception as error:
+        line = error_line(error)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        sys.exit(2)

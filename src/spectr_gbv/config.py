@@ -1,0 +1,120 @@
+"""The run configuration: its schema (types, checked by Hydra while composing), its range checks (one function,
+run before anything loads) and the one-line messages a user sees for a bad input.
+
+conf/config.yaml holds the values; `Config` below only says what type each top-level knob has.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import rich
+import rich.syntax
+import rich.tree
+from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from spectr_gbv.verifiers import VERIFIERS
+
+
+@dataclass
+class VerifierConfig:
+    name: str = MISSING  # a name of spectr_gbv.verifiers.VERIFIERS, or "ar"
+
+
+@dataclass
+class Config:
+    # groups: free-form nodes instantiated with hydra.utils.instantiate (their `_target_` defines their keys)
+    model: Any = MISSING
+    drafter: Any = MISSING
+    verifier: VerifierConfig = MISSING
+    dataset: dict[str, Any] = MISSING  # dataset name -> loader node
+    logger: dict[str, Any] = MISSING  # logger name -> Lightning logger node (empty: no logger)
+    trainer: Any = MISSING
+    # knobs
+    num_drafts: int = MISSING
+    block_length: int = MISSING
+    temperature: float = MISSING
+    draft_temperature: Optional[float] = MISSING  # None: same as temperature
+    top_k: int = MISSING
+    top_p: float = MISSING
+    max_new_tokens: int = MISSING
+    limit: Optional[int] = MISSING  # prompts per dataset, None: all
+    seed: int = MISSING
+    baseline: bool = MISSING  # also decode every prompt with `ar` and report the speedup
+    output_dir: str = MISSING
+
+
+ConfigStore.instance().store(name="base_config", node=Config)
+
+
+class ConfigError(ValueError):
+    """A user's bad input: printed as one line `error: key=value: what is allowed`."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        super().__init__(f"{key}={value}: {allowed}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range checks that types cannot express; raises ConfigError on the first bad knob."""
+    checks = [
+        ("num_drafts", cfg.num_drafts >= 1, "must be >= 1"),
+        ("block_length", cfg.block_length >= 1, "must be >= 1"),
+        ("temperature", cfg.temperature >= 0, "must be >= 0 (0 = greedy)"),
+        ("draft_temperature", cfg.draft_temperature is None or cfg.draft_temperature >= 0,
+         "must be >= 0, or null for the target's temperature"),
+        ("top_k", cfg.top_k >= 0, "must be >= 0 (0 = off)"),
+        ("top_p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
+        ("max_new_tokens", cfg.max_new_tokens >= 1, "must be >= 1"),
+        ("limit", cfg.limit is None or cfg.limit >= 1, "must be >= 1, or null for every prompt"),
+    ]
+    for key, ok, allowed in checks:
+        if not ok:
+            raise ConfigError(key, cfg[key], allowed)
+    name = cfg.verifier.name
+    if name != "ar":
+        if name not in VERIFIERS:
+            raise ConfigError("verifier.name", name, f"choose one of ar, {', '.join(sorted(VERIFIERS))}")
+        max_drafts = VERIFIERS[name].max_drafts
+        if max_drafts is not None and cfg.num_drafts > max_drafts:
+            raise ConfigError("num_drafts", cfg.num_drafts,
+                              f"verifier {name} takes at most {max_drafts} draft(s)")
+    for side in ("model", "drafter"):
+        check_model_path(side, cfg[side])
+
+
+def check_model_path(side: str, model: DictConfig) -> None:
+    """A local model path must exist; a hub id (owner/name, not a local path) is left to transformers."""
+    path = model.get("path")
+    if path is None or Path(path).expanduser().exists():
+        return
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ConfigError(f"{side}.path", path,
+                          "no such file or directory; give a model folder, a .gguf file or a hub id (owner/name)")
+
+
+def error_line(error: Exception) -> Optional[str]:
+    """The one line shown for a user's mistake, or None when `error` is a bug (shown with its traceback)."""
+    if isinstance(error, ConfigError):
+        return f"error: {error}"
+    if isinstance(error, MissingConfigException) and error.options:
+        group, _, value = (error.missing_cfg_file or "").rpartition("/")
+        return f"error: {group}={value}: choose one of {', '.join(error.options)}"
+    if isinstance(error, ConfigCompositionException):
+        # e.g. "Error merging override num_drafts=abc" caused by "Value 'abc' ... could not be converted to Integer"
+        cause = error.__cause__
+        detail = str(cause).splitlines()[0] if isinstance(cause, OmegaConfBaseException) else ""
+        override = str(error).splitlines()[0].removeprefix("Error merging override ")
+        return f"error: {override}: {detail}" if detail else f"error: {override}"
+    return None
+
+
+def print_config_tree(cfg: DictConfig) -> None:
+    """The resolved config as a rich tree, one branch per top-level key (lightning-hydra-template style)."""
+    tree = rich.tree.Tree("config", guide_style="dim")
+    for key, value in cfg.items():
+        text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
+        tree.add(str(key)).add(rich.syntax.Syntax(text, "yaml"))
+    rich.print(tree)
