@@ -1,0 +1,235 @@
+"""The batched verifiers: their contract, their laws on whole generated streams (with negative controls that must
+fail), temperature 0, the section 11 anchors, and parity with the exact float64 reference."""
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from spectr_gbv.verifiers import VERIFIERS, build_verifier, optimal_acceptance
+from spectr_gbv.verifiers import block, reference, tree
+from spectr_gbv.verifiers.block import bv_acceptance
+from spectr_gbv.verifiers.greedy import greedy_acceptance
+from toy_streams import ToyModel, generate_streams, law_p_value
+
+LOSSLESS = [name for name, cls in VERIFIERS.items() if cls.lossless]
+MULTI_DRAFT = [name for name, cls in VERIFIERS.items() if cls.max_drafts is None]
+P_MIN = 1e-6  # chi-square threshold: a correct verifier fails with probability below 1e-6
+
+
+def drafts_for(name, k):
+    return 1 if VERIFIERS[name].max_drafts == 1 else k
+
+
+def random_call(B=4, K=2, L=3, V=5, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, K, L, V, generator=g, dtype=dtype)
+    p = torch.rand(B, K, L + 1, V, generator=g, dtype=dtype)
+    q, p = q / q.sum(-1, keepdim=True), p / p.sum(-1, keepdim=True)
+    x = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, K, L)
+    return x, q, p
+
+
+# ---- contract ---------------------------------------------------------------------------------------------------
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names: token, bv, gbv"):
+        build_verifier("gvb")
+
+
+def test_lossless_flags_and_alias():
+    assert not VERIFIERS["spectr_gbv_paper"].lossless
+    assert VERIFIERS["spectr_gbv"] is VERIFIERS["gbv"]
+    assert set(LOSSLESS) == {"token", "bv", "gbv", "spectr_gbv", "spectr", "specinfer", "nss", "multipath"}
+
+
+@pytest.mark.parametrize("name", ["token", "bv"])
+def test_single_draft_verifier_refuses_several_drafts(name):
+    with pytest.raises(ValueError, match="at most 1 draft"):
+        build_verifier(name)(*random_call(K=2))
+
+
+@pytest.mark.parametrize("name", VERIFIERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_output_shapes_and_ranges(name, dtype):
+    x, q, p = random_call(B=6, K=drafts_for(name, 3), L=4, dtype=dtype)
+    out = build_verifier(name)(x, q, p, generator=torch.Generator().manual_seed(1))
+    for t in (out.num_accepted, out.draft_index, out.next_token):
+        assert t.shape == (6,) and t.dtype == torch.int64
+    assert ((0 <= out.num_accepted) & (out.num_accepted <= 4)).all()
+    assert ((0 <= out.draft_index) & (out.draft_index < x.shape[1])).all()
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda x, q, p: (x, q.masked_fill(q == q.max(), float("nan")), p), "draft_probs contains NaN"),
+    (lambda x, q, p: (x, q, p.masked_fill(p == p.max(), float("inf"))), "target_probs contains NaN or inf"),
+    (lambda x, q, p: (x, q, p - 0.5 * (p == p.max())), "target_probs contains negative|target_probs rows"),
+    (lambda x, q, p: (x, q * 1.01, p), "draft_probs rows must sum to 1"),
+    (lambda x, q, p: (x, q, p[:, :, :-1]), "target_probs must have shape"),
+    (lambda x, q, p: (x, q.half(), p), "draft_probs must have shape|float32 or float64"),
+    (lambda x, q, p: (x.int(), q, p), "draft_tokens must be int64"),
+])
+def test_bad_inputs_name_the_tensor(corrupt, message):
+    with pytest.raises(ValueError, match=message):
+        build_verifier("gbv")(*corrupt(*random_call()))
+
+
+def test_zeros_are_legal():
+    x, q, p = random_call(V=6)
+    p = p * (p > 0.1)  # truncation, as top-k / top-p do
+    p = p / p.sum(-1, keepdim=True)
+    build_verifier("gbv")(x, q, p, generator=torch.Generator().manual_seed(0))
+
+
+# ---- laws of whole streams --------------------------------------------------------------------------------------
+
+STREAM_CASES = [  # (vocab, seed of the pair, K, L): context-dependent models with zeros in p and q
+    (3, 1, 3, 3),
+    (3, 7, 2, 2),
+    (4, 3, 3, 2),
+]
+
+
+def toy_pair(vocab, seed, one_hot=False):
+    return (ToyModel(vocab, seed, zero_prob=0.2, one_hot=one_hot), ToyModel(vocab, seed + 100, zero_prob=0.15))
+
+
+@pytest.mark.parametrize("vocab, seed, K, L", STREAM_CASES)
+@pytest.mark.parametrize("name", [n for n in LOSSLESS if n != "spectr_gbv"])
+def test_lossless_verifiers_give_the_target_law_of_whole_streams(name, vocab, seed, K, L):
+    target, drafter = toy_pair(vocab, seed)
+    samples, _ = generate_streams(build_verifier(name), target, drafter, rows=10_000,
+                                  num_drafts=drafts_for(name, K), block_length=L, num_tokens=3, seed=seed)
+    assert law_p_value(samples, target.law(3)) > P_MIN
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_gbv_without_its_target_modification_fails(K):
+    target, drafter = toy_pair(3, 1)
+    samples, _ = generate_streams(build_verifier("gbv"), target, drafter, rows=10_000, num_drafts=K,
+                                  block_length=3, num_tokens=3, seed=1, keep_state=False)
+    assert law_p_value(samples, target.law(3)) < P_MIN
+
+
+@pytest.mark.parametrize("name, module", [("token", block), ("bv", block), ("specinfer", tree)])
+def test_residual_p_instead_of_normalised_excess_fails(name, module, monkeypatch):
+    monkeypatch.setattr(module, "normalise", lambda residual, fallback: fallback)  # residual := p
+    target, drafter = toy_pair(3, 1)
+    samples, _ = generate_streams(build_verifier(name), target, drafter, rows=10_000,
+                                  num_drafts=drafts_for(name, 3), block_length=3, num_tokens=3, seed=1)
+    assert law_p_value(samples, target.law(3)) < P_MIN
+
+
+def test_published_rule_is_biased_at_positive_temperature():
+    target, drafter = toy_pair(3, 1)
+    samples, _ = generate_streams(build_verifier("spectr_gbv_paper"), target, drafter, rows=10_000, num_drafts=3,
+                                  block_length=3, num_tokens=3, seed=1)
+    assert law_p_value(samples, target.law(3)) < P_MIN
+
+
+@pytest.mark.parametrize("name", [n for n in VERIFIERS if n != "spectr_gbv"])
+@pytest.mark.parametrize("K, L", [(1, 1), (3, 4)])
+def test_temperature_zero_emits_the_greedy_path(name, K, L):
+    """One-hot targets: every lossless verifier, and the published rule too, emits exactly the greedy tokens."""
+    target, drafter = toy_pair(4, 5, one_hot=True)
+    samples, _ = generate_streams(build_verifier(name), target, drafter, rows=2_000,
+                                  num_drafts=drafts_for(name, K), block_length=L, num_tokens=5, seed=2)
+    (greedy, prob), = [(seq, pr) for seq, pr in target.law(5).items() if pr > 0]
+    assert prob == 1.0 and (samples == torch.tensor(greedy)).all()
+
+
+# ---- the section 11 anchors: mean accepted length of the first iteration -------------------------------------
+
+ANCHORS = {  # (p, q, L, K): exact E[tau] per verifier (spec section 11); single-draft verifiers at K = 1
+    "A": (((1 / 3, 2 / 3), (2 / 3, 1 / 3), 2, 2), {
+        "token": 1.111111, "bv": 1.222222, "gbv@1": 1.333333, "nss": 1.012346, "specinfer": 1.333333,
+        "spectr": 1.405487, "multipath": 1.617284, "gbv": 1.481481, "spectr_gbv_paper": 1.403435}),
+    "B": (((.5, .3, .2), (.2, .3, .5), 2, 2), {
+        "token": 1.19, "bv": 1.25, "gbv@1": 1.31, "nss": 0.641791, "specinfer": 1.3058,
+        "spectr": 1.367192, "multipath": 1.3252, "gbv": 1.4054, "spectr_gbv_paper": 1.297984}),
+    "C": (((.6, .3, .1), (.3, .3, .4), 3, 2), {
+        "token": 1.533, "bv": 1.632, "gbv@1": 1.737, "nss": 0.76446, "specinfer": 1.768116,
+        "spectr": 1.861485, "multipath": 1.816284, "gbv": 1.946313, "spectr_gbv_paper": 1.827053}),
+}
+
+
+@pytest.mark.parametrize("anchor", ANCHORS)
+@pytest.mark.parametrize("column", ANCHORS["A"][1])
+def test_anchor_mean_accepted_length(anchor, column):
+    (p, q, L, K), expected = ANCHORS[anchor]
+    name = column.split("@")[0]
+    K = 1 if column.endswith("@1") else drafts_for(name, K)
+    target, drafter = ToyModel(len(p), 0, const=p), ToyModel(len(q), 0, const=q)
+    rows = 40_000
+    _, accepted = generate_streams(build_verifier(name), target, drafter, rows=rows, num_drafts=K,
+                                   block_length=L, num_tokens=1, seed=3)
+    standard_error = accepted.std().item() / rows ** 0.5
+    assert abs(accepted.mean().item() - expected[column]) < 5 * standard_error
+
+
+# ---- parity with the exact reference ----------------------------------------------------------------------------
+
+def instance(p_model, q_model, drafts, rows):
+    """Batched tensors of one instance (block-relative reference models, fixed drafts), repeated over rows."""
+    q = [[q_model(d[:i]) for i in range(len(d))] for d in drafts]
+    p = [[p_model(d[:i]) for i in range(len(d) + 1)] for d in drafts]
+    expand = lambda a: torch.tensor(np.array(a))[None].expand(rows, *np.array(a).shape).contiguous()  # noqa: E731
+    return expand(drafts).long(), expand(q), expand(p)
+
+
+def sample_path(q_model, length, rng):
+    path = ()
+    for _ in range(length):
+        path += (int(rng.choice(len(q_model(path)), p=q_model(path))),)
+    return path
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("name", ["bv", "gbv"])
+def test_block_posteriors_match_reference(name, seed):
+    """Same inputs, same h: then the same uniforms give the same tau."""
+    p_model, q_model = reference.RandModel(4, seed, zero_prob=0.2), reference.RandModel(4, seed + 50, zero_prob=0.2)
+    draft = sample_path(q_model, 4, np.random.default_rng(seed))
+    x, q, p = instance(p_model, q_model, [draft], rows=1)
+    if name == "bv":
+        h, _ = bv_acceptance(x[:, 0], q[:, 0], p[:, 0])
+    else:
+        log_s = torch.cat([torch.zeros(1, 1, dtype=q.dtype),
+                           q[:, 0].gather(-1, x[:, 0, :, None]).squeeze(-1).log().cumsum(-1)], -1)
+        h = greedy_acceptance(p[:, 0, :4], q[:, 0], x[:, 0], log_s)
+    np.testing.assert_allclose(h[0].numpy(), reference.block_acceptance(name, p_model, q_model, draft), atol=1e-12)
+
+
+@pytest.mark.parametrize("name", [n for n in VERIFIERS if n != "spectr_gbv"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_outcome_law_given_the_drafts_matches_reference(name, seed):
+    """Conditional on fixed drafts, the batched verifier's (accepted prefix, extra token) law equals the exact one."""
+    L, K, rows = 2, drafts_for(name, 3), 20_000
+    p_model, q_model = reference.RandModel(3, 11 + seed, zero_prob=0.2), reference.RandModel(3, 21 + seed)
+    rng = np.random.default_rng(seed)
+    drafts = tuple(sample_path(q_model, L, rng) for _ in range(K))
+    exact = {}
+    for prob, emitted, _ in reference.outcomes(name, p_model, q_model, drafts):
+        exact[emitted] = exact.get(emitted, 0.0) + prob
+    x, q, p = instance(p_model, q_model, drafts, rows)
+    out = build_verifier(name)(x, q, p, generator=torch.Generator().manual_seed(4))
+    emitted = [drafts[k][:n] + (y,) for k, n, y in
+               zip(out.draft_index.tolist(), out.num_accepted.tolist(), out.next_token.tolist())]
+    support = sorted(exact)
+    observed = np.array([emitted.count(e) for e in support])
+    assert observed.sum() == rows, "an outcome outside the exact law's support"
+    expected = np.array([exact[e] for e in support]) * rows
+    assert stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > P_MIN
+
+
+def test_optimal_acceptance_matches_brute_force():
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(5), size=20)
+    q = rng.dirichlet(np.ones(5), size=20)
+    p[::3, 0] = 0
+    p /= p.sum(-1, keepdims=True)
+    for K in (1, 2, 4):
+        fast = optimal_acceptance(torch.tensor(p), torch.tensor(q), K).numpy()
+        brute = [reference.alpha_star_brute(pi, qi, K) for pi, qi in zip(p, q)]
+        np.testing.assert_allclose(fast, brute, atol=1e-12)
+    one_draft = optimal_acceptance(torch.tensor(p), torch.tensor(q), 1).numpy()
+    np.testing.assert_allclose(one_draft, np.minimum(p, q).sum(-1), atol=1e-12)  # K = 1: 1 - TV
