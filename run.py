@@ -21,6 +21,16 @@ KNOBS = ("num_drafts", "block_length", "temperature", "draft_temperature", "top_
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
+    try:
+        return evaluate(cfg)
+    except Exception as error:
+        line = error_line(error)
+        if line is None:
+            raise
+        sys.exit(line)  # SystemExit passes through Hydra's job runner without a report of its own
+
+
+def evaluate(cfg: DictConfig) -> float:
     validate(cfg)  # before anything heavy is imported or loaded
     from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only

@@ -11,7 +11,8 @@ import rich
 import rich.syntax
 import rich.tree
 from hydra.core.config_store import ConfigStore
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import (ConfigCompositionException, InstantiationException, MissingConfigException,
+                          OverrideParseException)
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -86,6 +87,8 @@ def validate(cfg: DictConfig) -> None:
 
 def check_model_path(side: str, model: DictConfig) -> None:
     """A local model path must exist; a hub id (owner/name, not a local path) is left to transformers."""
+    if OmegaConf.is_missing(model, "path"):
+        raise ConfigError(f"{side}.path", "???", "required: a model folder, a .gguf file or a hub id (owner/name)")
     path = model.get("path")
     if path is None or Path(path).expanduser().exists():
         return
@@ -99,9 +102,13 @@ def error_line(error: Exception) -> Optional[str]:
     """The one line shown for a user's mistake, or None when `error` is a bug (shown with its traceback)."""
     if isinstance(error, ConfigError):
         return f"error: {error}"
+    if isinstance(error, InstantiationException) and isinstance(error.__cause__, ConfigError):
+        return f"error: {error.__cause__}"  # e.g. raised by a dataset loader that instantiate() called
     if isinstance(error, MissingConfigException) and error.options:
         group, _, value = (error.missing_cfg_file or "").rpartition("/")
         return f"error: {group}={value}: choose one of {', '.join(error.options)}"
+    if isinstance(error, OverrideParseException):  # malformed command line
+        return f"error: {error.override}: {str(error).splitlines()[0]}"
     if isinstance(error, ConfigCompositionException):
         # e.g. "Error merging override num_drafts=abc" caused by "Value 'abc' ... could not be converted to Integer"
         cause = error.__cause__

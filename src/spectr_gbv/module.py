@@ -44,7 +44,7 @@ class SpeculativeEvaluation(LightningModule):
 
     # ---- setup: models, engines, what earlier attempts already recorded -------------------------------------
     def setup(self, stage: str) -> None:
-        if self.device.type == "cpu" and self.trainer.num_devices > 1:
+        if self.trainer.strategy.root_device.type == "cpu" and self.trainer.num_devices > 1:
             # N processes on one machine: split the cores as torchrun does, or their thread pools thrash
             torch.set_num_threads(max(1, os.cpu_count() // self.trainer.num_devices))
         self.target = self.load_target()
@@ -118,8 +118,10 @@ class SpeculativeEvaluation(LightningModule):
         metrics["overall"] = aggregate(counts.sum(0), histogram.sum(0))
         self.summary = {**self.knobs, "model": self.target.name, "drafter": self.drafter_name,
                         "world_size": self.trainer.world_size, "metrics": metrics}
+        # Already reduced, so every rank logs the same values; sync_dist (a mean of equal values) is Lightning's
+        # documented way to log epoch-level values under DDP.
         self.log_dict({f"{name}/{key}": value for name, values in metrics.items() for key, value in values.items()
-                       if isinstance(value, (int, float))}, rank_zero_only=True)
+                       if isinstance(value, (int, float))}, sync_dist=True)
         if self.trainer.is_global_zero:
             merge_rank_files(self.output_dir)
             (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
