@@ -83,5 +83,4 @@ if __name__ == "__main__":
         line = error_line(error)
         if line is None:
             raise
-        print(line, file=sys.stderr)
-        sys.exit(2)
+        sys.exit(line)

@@ -120,8 +120,7 @@ class SpeculativeEvaluation(LightningModule):
                         "world_size": self.trainer.world_size, "metrics": metrics}
         # Already reduced, so every rank logs the same values; sync_dist (a mean of equal values) is Lightning's
         # documented way to log epoch-level values under DDP.
-        self.log_dict({f"{name}/{key}": value for name, values in metrics.items() for key, value in values.items()
-                       if isinstance(value, (int, float))}, sync_dist=True)
+        self.log_dict(scalars(metrics), sync_dist=True)
         if self.trainer.is_global_zero:
             merge_rank_files(self.output_dir)
             (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
@@ -138,6 +137,18 @@ def decode_record_fields(out: DecodeRecord) -> dict:
     return {"output_ids": out.output_ids, "new_tokens": out.new_tokens, "target_calls": out.target_calls,
             "accepted_lengths": out.accepted_lengths, "draft_indices": out.draft_indices,
             "times": {key: getattr(out, key) for key in TIMES}}
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+    """Flat scalar metrics for the loggers: `<dataset>/<name>`, acceptance by position as acceptance_at_<i>."""
+    flat = {}
+    for name, values in metrics.items():
+        for key, value in values.items():
+            if key == "acceptance_by_position":
+                flat.update({f"{name}/acceptance_at_{i}": rate for i, rate in enumerate(value, start=1)})
+            elif isinstance(value, (int, float)):
+                flat[f"{name}/{key}"] = value
+    return flat
 
 
 def aggregate(counts: torch.Tensor, histogram: torch.Tensor) -> dict:

@@ -1,0 +1,115 @@
+"""One table and a few plots from every job below a run or multirun folder:
+
+    python -m spectr_gbv.report outputs/multirun/2026-01-01/12-00-00
+
+Reads each summary.json (one per job), writes report.md and report.csv into the folder (and prints the table),
+and draws PNGs with matplotlib: block efficiency against num_drafts (one panel per block length) and against
+block_length (one panel per draft count), one line per verifier, and the same against num_drafts for the speedup
+over `ar` when the jobs ran with baseline=true. The summaries carry no optimal-transport bound (computing it needs
+the models' distributions at every prefix), so the plots draw none.
+"""
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLUMNS = ("job", "dataset", "verifier", "num_drafts", "block_length", "temperature", "prompts", "new_tokens",
+           "block_efficiency", "block_efficiency_se", "mean_accepted_length", "tokens_per_s", "speedup",
+           "max_new_tokens", "model", "drafter")
+KNOBS_IN_LABEL = ("temperature", "model", "max_new_tokens")  # added to a line's label when they vary
+
+
+def collect(folder: Path) -> list[dict]:
+    """One row per job and dataset (and one per job for "overall"), in folder order."""
+    rows = []
+    for path in sorted(folder.rglob("summary.json"), key=job_order):
+        summary = json.loads(path.read_text())
+        for dataset, metrics in summary["metrics"].items():
+            row = {**summary, **metrics, "dataset": dataset, "job": str(path.parent.relative_to(folder))}
+            rows.append({column: row.get(column) for column in COLUMNS})
+    return rows
+
+
+def job_order(path: Path) -> list:
+    """Multirun job folders are numbers: 2 before 10."""
+    return [int(part) if part.isdigit() else part for part in path.parts]
+
+
+def write_tables(rows: list[dict], folder: Path) -> str:
+    with (folder / "report.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(row[column]) for column in COLUMNS) + " |" for row in rows]
+    markdown = "\n".join(lines) + "\n"
+    (folder / "report.md").write_text(markdown)
+    return markdown
+
+
+def cell(value) -> str:
+    if value is None:
+        return ""
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def plot(rows: list[dict], x: str, y: str, panel: str, path: Path) -> bool:
+    """Lines of y against x, one per verifier (and varying knob), one panel per value of `panel`."""
+    rows = [row for row in rows if row["dataset"] == "overall" and row[y] is not None]
+    if len({row[x] for row in rows}) < 2:
+        return False  # a single x value is a point, not a curve
+    varying = [knob for knob in KNOBS_IN_LABEL if len({row[knob] for row in rows}) > 1]
+    panels = sorted({row[panel] for row in rows})
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), sharey=True, squeeze=False)
+    for axis, value in zip(axes[0], panels):
+        lines: dict[str, list[dict]] = {}
+        for row in rows:
+            if row[panel] == value:
+                label = " ".join([row["verifier"]] + [f"{knob}={row[knob]}" for knob in varying])
+                lines.setdefault(label, []).append(row)
+        for label, points in sorted(lines.items()):
+            points.sort(key=lambda row: row[x])
+            errors = [row["block_efficiency_se"] for row in points] if y == "block_efficiency" else None
+            axis.errorbar([row[x] for row in points], [row[y] for row in points], yerr=errors, marker="o",
+                          capsize=3, label=label)
+        axis.set_title(f"{panel} = {value}")
+        axis.set_xlabel(x)
+        axis.set_xticks(sorted({row[x] for row in rows}))
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel(y)
+    axes[0][-1].legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def report(folder: Path) -> str:
+    rows = collect(folder)
+    if not rows:
+        raise SystemExit(f"error: folder={folder}: no summary.json below it; give a run or multirun folder")
+    markdown = write_tables(rows, folder)
+    plots = [("num_drafts", "block_efficiency", "block_length"), ("block_length", "block_efficiency", "num_drafts"),
+             ("num_drafts", "speedup", "block_length")]
+    for x, y, panel in plots:
+        plot(rows, x, y, panel, folder / f"{y}_vs_{x}.png")
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="a run or multirun folder (searched recursively)")
+    folder = parser.parse_args(argv).folder
+    if not folder.is_dir():
+        sys.exit(f"error: folder={folder}: not a directory; give a run or multirun folder")
+    print(report(folder), end="")
+
+
+if __name__ == "__main__":
+    main()

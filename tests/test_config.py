@@ -1,0 +1,108 @@
+"""Every option of every config group composes (and, where cheap, instantiates); each bad knob is refused by the
+one validation function with a message naming the key, the value and what is allowed."""
+import pytest
+from hydra.utils import instantiate
+from lightning.pytorch import Trainer
+from omegaconf import open_dict
+
+from conftest import CONF, TINY
+from spectr_gbv.config import ConfigError, validate
+from spectr_gbv.models import LoadedModel
+from spectr_gbv.verifiers import VERIFIERS
+
+MODEL_TARGETS = {"qwen": "spectr_gbv.models.packaged", "smollm2": "spectr_gbv.models.packaged",
+                 "hf": "spectr_gbv.models.pretrained", "tiny": "spectr_gbv.models.tiny"}
+
+
+def options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
+
+
+def test_defaults_compose_and_validate(make_cfg):
+    cfg = make_cfg()
+    validate(cfg)
+    assert cfg.model.name == "qwen2.5-coder-1.5b-instruct" and cfg.drafter.name == "qwen2.5-coder-0.5b-instruct"
+    assert cfg.verifier.name == "gbv" and list(cfg.dataset) == ["mtbench"]
+
+
+@pytest.mark.parametrize("side", ["model", "drafter"])
+@pytest.mark.parametrize("option", sorted(MODEL_TARGETS))
+def test_model_options(make_cfg, side, option):
+    cfg = make_cfg(f"{side}={option}", f"{side}.path=/tmp" if option == "hf" else f"{side}.dtype=float32")
+    assert cfg[side]._target_ == MODEL_TARGETS[option]
+    assert {"dtype", "device"} <= set(cfg[side])
+    if option == "tiny":  # the only model that loads in a test: built from a config, no files
+        loaded = instantiate(cfg[side])()
+        assert isinstance(loaded, LoadedModel) and loaded.model.device.type == "cpu"
+
+
+def test_every_verifier_has_a_config():
+    assert set(options("verifier")) == set(VERIFIERS) | {"ar"}
+
+
+@pytest.mark.parametrize("option", options("verifier"))
+def test_verifier_options(make_cfg, option):
+    cfg = make_cfg(f"verifier={option}", "num_drafts=1")
+    validate(cfg)
+    assert cfg.verifier.name == option
+
+
+def test_dataset_all_is_the_five_real_ones(make_cfg):
+    assert list(make_cfg("dataset=all").dataset) == ["mtbench", "humaneval", "gsm8k", "xsum", "nq"]
+
+
+@pytest.mark.parametrize("option", options("logger"))
+def test_logger_options(make_cfg, option):
+    loggers = [instantiate(node) for node in make_cfg(f"logger={option}").logger.values()]
+    assert len(loggers) == (0 if option == "none" else 1)
+
+
+@pytest.mark.parametrize("option", options("trainer"))
+def test_trainer_options(make_cfg, option):
+    cfg = make_cfg(f"trainer={option}")
+    assert cfg.trainer.use_distributed_sampler is False  # the data module shards without padding
+    if cfg.trainer.accelerator == "cpu":  # GPU trainers cannot be built on this machine
+        trainer = instantiate(cfg.trainer, logger=False)
+        assert isinstance(trainer, Trainer) and trainer.world_size == cfg.trainer.devices
+    assert cfg.model.device == cfg.trainer.accelerator  # models load on the trainer's device type
+
+
+def test_sweep_preset_composes(make_cfg):
+    params = make_cfg("+sweep=drafts_x_block").hydra.sweeper.params
+    assert params.num_drafts == "1,2,3,4" and params.block_length == "2,4,8"
+    assert all(VERIFIERS[name].max_drafts is None for name in params.verifier.split(","))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["num_drafts=0"], "num_drafts=0: must be >= 1"),
+    (["block_length=0"], "block_length=0: must be >= 1"),
+    (["temperature=-0.5"], "temperature=-0.5: must be >= 0"),
+    (["top_p=0"], "top_p=0.0: must be in (0, 1]"),
+    (["top_p=1.5"], "top_p=1.5: must be in (0, 1]"),
+    (["top_k=-1"], "top_k=-1: must be >= 0"),
+    (["max_new_tokens=0"], "max_new_tokens=0: must be >= 1"),
+    (["limit=0"], "limit=0: must be >= 1"),
+    (["verifier=token", "num_drafts=2"], "num_drafts=2: verifier token takes at most 1 draft(s)"),
+    (["verifier=bv", "num_drafts=3"], "num_drafts=3: verifier bv takes at most 1 draft(s)"),
+    (["model=hf", "model.path=/no/such/model"], "model.path=/no/such/model: no such file or directory"),
+    (["drafter=hf", "drafter.path=./missing.gguf"], "drafter.path=./missing.gguf: no such file or directory"),
+    (["model=hf"], "model.path=???: required"),
+])
+def test_bad_knobs_are_refused(make_cfg, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate(make_cfg(*TINY, *overrides))
+    assert str(error.value).startswith(message)
+
+
+def test_hub_ids_pass_validation(make_cfg):
+    validate(make_cfg("model=hf", "model.path=Qwen/Qwen2.5-0.5B-Instruct"))
+
+
+def test_schema_checks_types(make_cfg):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        make_cfg("num_drafts=two")
+    cfg = make_cfg()
+    with open_dict(cfg), pytest.raises(Exception):
+        cfg.temperature = "hot"
