@@ -1,0 +1,129 @@
+"""run.py end to end, as a user runs it (subprocesses, tiny models): files, multirun + W&B offline, DDP on CPU equal
+to one process, a killed job resumed, and one line for each bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY
+
+# Greedy target with a sampling drafter: outputs are deterministic, acceptance is neither 0 nor 1.
+GREEDY = ["temperature=0", "draft_temperature=1", "num_drafts=2", "block_length=3", "limit=5"]
+
+
+def run_py(*args: str, env: dict | None = None, background: bool = False):
+    flags = [arg for arg in args if arg.startswith("-")]  # e.g. -m: Hydra wants flags before the overrides
+    command = [sys.executable, "run.py", *flags, *TINY, *[arg for arg in args if arg not in flags]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if background:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def records(folder: Path) -> dict:
+    lines = (folder / "predictions.jsonl").read_text().splitlines()
+    found = {(r["dataset"], r["prompt_id"]): r for r in map(json.loads, lines)}
+    assert len(found) == len(lines), "a prompt was recorded twice"
+    return found
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    done = run_py(*GREEDY, "baseline=true", f"hydra.run.dir={folder}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder
+
+
+def test_run_writes_predictions_and_summary(single):
+    found = records(single)
+    assert sorted(found) == [("tiny", index) for index in range(5)]
+    record = found[("tiny", 0)]
+    assert record["prompt"] == "The quick brown fox" and record["new_tokens"] == len(record["output_ids"]) <= 8
+    assert {"output", "target_calls", "accepted_lengths", "times", "baseline"} <= set(record)
+    summary = json.loads((single / "summary.json").read_text())
+    assert summary["verifier"] == "gbv" and summary["num_drafts"] == 2 and summary["world_size"] == 1
+    overall = summary["metrics"]["overall"]
+    assert overall == {**summary["metrics"]["tiny"], **overall}  # one dataset: overall equals it
+    assert overall["prompts"] == 5 and overall["new_tokens"] == sum(r["new_tokens"] for r in found.values())
+    assert overall["block_efficiency"] == overall["new_tokens"] / overall["target_calls"]
+    assert 1 < overall["block_efficiency"] < 4  # the drafter is right sometimes, not always
+    assert len(overall["acceptance_by_position"]) == 3 and len(overall["accepted_length_histogram"]) == 4
+    assert overall["speedup"] > 0 and overall["ar_tokens_per_s"] > 0
+    assert (single / ".hydra" / "config.yaml").exists() and (single / "csv" / "metrics.csv").exists() is False
+
+
+def test_ddp_on_cpu_equals_one_process(single, tmp_path):
+    done = run_py(*GREEDY, "baseline=true", "trainer=ddp_cpu", "trainer.devices=2", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = records(single), records(tmp_path)
+    assert one.keys() == two.keys()  # each prompt decoded exactly once, shards merged into one file
+    for key in one:
+        assert one[key]["output_ids"] == two[key]["output_ids"]
+        assert one[key]["accepted_lengths"] == two[key]["accepted_lengths"]
+    assert not list(tmp_path.glob("predictions.rank*.jsonl"))
+    metrics = [json.loads((folder / "summary.json").read_text())["metrics"]["overall"] for folder in (single, tmp_path)]
+    for key in ("prompts", "new_tokens", "target_calls", "block_efficiency", "block_efficiency_se",
+                "accepted_length_histogram", "acceptance_by_position"):
+        assert metrics[0][key] == metrics[1][key], key
+    assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == 2
+
+
+def test_multirun_with_wandb_offline(tmp_path):
+    sweep = tmp_path / "my-sweep"
+    done = run_py("-m", "limit=2", "verifier=gbv,token", "num_drafts=1", "block_length=2,4", "logger=wandb",
+                  f"hydra.sweep.dir={sweep}", env={"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    jobs = sorted(path.parent for path in sweep.glob("*/summary.json"))
+    assert [job.name for job in jobs] == ["0", "1", "2", "3"]
+    seen = {(s["verifier"], s["block_length"]) for s in (json.loads((j / "summary.json").read_text()) for j in jobs)}
+    assert seen == {("gbv", 2), ("gbv", 4), ("token", 2), ("token", 4)}
+    for job in jobs:  # each job is its own offline W&B run, holding config, metrics, histogram and table
+        [run] = (job / "wandb").glob("offline-run-*/run-*.wandb")
+        data = run.read_bytes()
+        for needle in (b"overall/block_efficiency", b"overall/accepted_length_histogram", b"num_drafts",
+                       b"my-sweep"):  # the group: the sweep folder's name
+            assert needle in data, needle
+        assert list(run.parent.glob("files/media/table/predictions_*.table.json"))
+
+
+def test_killed_job_keeps_its_records_and_resumes(tmp_path):
+    job = ["limit=6", "max_new_tokens=32", f"hydra.run.dir={tmp_path}"]
+    process = run_py(*job, background=True)
+    predictions = tmp_path / "predictions.jsonl"
+    while process.poll() is None and not (predictions.exists() and predictions.read_text().count("\n") >= 2):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "summary.json").exists(), "the job finished before it could be killed"
+    kept = predictions.read_text()
+    assert 2 <= kept.count("\n") < 6
+
+    done = run_py(*job)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert predictions.read_text().startswith(kept)  # nothing recorded is lost or decoded again
+    assert sorted(records(tmp_path)) == [("tiny", index) for index in range(6)]
+    assert json.loads((tmp_path / "summary.json").read_text())["metrics"]["overall"]["prompts"] == 6
+
+
+@pytest.mark.parametrize("override, line", [
+    ("num_drafts=0", "error: num_drafts=0: must be >= 1"),
+    ("num_drafts=many", "error: num_drafts=many: Value 'many' of type 'str' could not be converted to Integer"),
+    ("verifier=nope", "error: verifier=nope: choose one of ar, bv, gbv, multipath, nss, specinfer, spectr, "
+                      "spectr_gbv, spectr_gbv_paper, token"),
+    ("model.path=/no/such/dir", "error: model.path=/no/such/dir: no such file or directory"),
+    ("dataset.tiny.texts=[ok,' ']", "error: dataset=tiny: prompt 1 is empty"),
+])
+def test_bad_input_is_one_line(override, line, tmp_path):
+    extra = ["model=hf"] if override.startswith("model.path") else []
+    done = run_py(*extra, override, f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith(line)
+    assert "Traceback" not in done.stderr
+    if not override.startswith("dataset"):  # the rest fail before Lightning starts: nothing else is printed
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
