@@ -1,0 +1,72 @@
+"""The report gathers every summary.json below a folder into one table (Markdown, CSV) and draws the plots."""
+import csv
+import json
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT
+from spectr_gbv.module import aggregate, COUNTERS
+from spectr_gbv.report import main
+
+BLOCK_LENGTHS = (2, 4)
+
+
+def write_summary(folder, verifier, num_drafts, block_length, baseline=True):
+    counts = torch.zeros(len(COUNTERS), dtype=torch.float64)
+    values = {"prompts": 4, "new_tokens": 40 + 5 * num_drafts, "target_calls": 20, "total_time": 2.0,
+              "new_tokens_sq": 450, "target_calls_sq": 100, "new_x_calls": 210, "ar_new_tokens": 40 * baseline,
+              "ar_time": 3.0 * baseline}
+    for key, value in values.items():
+        counts[COUNTERS.index(key)] = value
+    metrics = aggregate(counts, torch.tensor([5.0, 3] + [1] * (block_length - 1), dtype=torch.float64))
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = {"verifier": verifier, "num_drafts": num_drafts, "block_length": block_length, "temperature": 1.0,
+               "max_new_tokens": 16, "model": "tiny", "drafter": "tiny'", "metrics": {"mtbench": metrics,
+                                                                                      "overall": metrics}}
+    (folder / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    job = 0
+    for verifier in ("gbv", "spectr"):
+        for num_drafts in (1, 2, 3):
+            for block_length in BLOCK_LENGTHS:
+                write_summary(tmp_path / str(job), verifier, num_drafts, block_length)
+                job += 1
+    return tmp_path
+
+
+def test_report_table_and_plots(sweep, capsys):
+    main([str(sweep)])
+    rows = list(csv.DictReader((sweep / "report.csv").open()))
+    assert len(rows) == 12 * 2  # every job, per dataset and overall
+    assert [row["job"] for row in rows[:6:2]] == ["0", "1", "2"] and rows[-1]["job"] == "11"  # numeric order
+    first = rows[0]
+    assert first["verifier"] == "gbv" and first["num_drafts"] == "1" and float(first["speedup"]) > 1
+    markdown = (sweep / "report.md").read_text()
+    assert markdown == capsys.readouterr().out and markdown.count("\n") == 2 + len(rows)
+    for name in ("block_efficiency_vs_num_drafts", "block_efficiency_vs_block_length", "speedup_vs_num_drafts"):
+        assert (sweep / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_of_one_run_without_baseline(tmp_path, capsys):
+    write_summary(tmp_path, "token", 1, 4, baseline=False)
+    main([str(tmp_path)])
+    assert "| token | 1 | 4 |" in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.png"))  # one point is no curve
+
+
+def test_report_of_an_empty_folder_is_one_error(tmp_path):
+    with pytest.raises(SystemExit, match="no summary.json below it"):
+        main([str(tmp_path)])
+
+
+def test_wandb_sweep_runs_the_hydra_grid():
+    wandb_sweep = yaml.safe_load((ROOT / "sweeps" / "wandb_drafts_x_block.yaml").read_text())
+    hydra_sweep = yaml.safe_load((ROOT / "conf" / "sweep" / "drafts_x_block.yaml").read_text())["hydra"]["sweeper"]
+    for knob, values in hydra_sweep["params"].items():
+        assert [str(value) for value in wandb_sweep["parameters"][knob]["values"]] == values.split(",")
+    assert wandb_sweep["program"] == "run.py" and "${args_no_hyphens}" in wandb_sweep["command"]
