@@ -195,7 +195,7 @@ def test_block_posteriors_match_reference(name, seed):
     else:
         log_s = torch.cat([torch.zeros(1, 1, dtype=q.dtype),
                            q[:, 0].gather(-1, x[:, 0, :, None]).squeeze(-1).log().cumsum(-1)], -1)
-        h = greedy_acceptance(p[:, 0, :4], q[:, 0], x[:, 0], log_s)
+        h = greedy_acceptance(p[:, 0, :4], q[:, 0], x[:, 0], log_s, 4)
     np.testing.assert_allclose(h[0].numpy(), reference.block_acceptance(name, p_model, q_model, draft), atol=1e-12)
 
 

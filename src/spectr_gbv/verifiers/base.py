@@ -84,9 +84,14 @@ def uniforms(shape, like: Tensor, generator) -> Tensor:
 
 
 def sample(probs: Tensor, generator) -> Tensor:
-    """One categorical draw per row of probs [..., V] (rows need not be normalised)."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """One categorical draw per row of probs [..., V] (rows need not be normalised), by inverting the CDF:
+    torch.multinomial costs ~10 ms per row at V = 151,936 on a CPU, this a fraction of a millisecond."""
+    flat = probs.reshape(-1, probs.shape[-1]).double()
+    cdf = flat.cumsum(-1)
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    index = torch.searchsorted(cdf, u, right=True)  # first token whose cdf exceeds u: never a zero-mass token
+    last_positive = flat.shape[-1] - 1 - (flat > 0).flip(-1).long().argmax(-1, keepdim=True)
+    return torch.minimum(index, last_positive).reshape(probs.shape[:-1])  # u rounded up to the total
 
 
 def normalise(residual: Tensor, fallback: Tensor) -> Tensor:

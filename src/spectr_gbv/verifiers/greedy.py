@@ -42,41 +42,57 @@ class Level:
 
 
 def cumulative_log(cond: Tensor, x: Tensor) -> Tensor:
-    """log joint mass of the prefixes x^0..x^L under conditionals cond [B, L, V]: [B, L+1]."""
+    """log joint mass of the prefixes x^0..x^n under conditionals cond [B, n, V]: [B, n+1]."""
     log_cond = cond.gather(-1, x.unsqueeze(-1)).squeeze(-1).log()
     return torch.cat([torch.zeros_like(log_cond[:, :1]), log_cond.cumsum(-1)], -1)
 
 
 def apply_levels(cond: Tensor, q: Tensor, x: Tensor, log_s: Tensor, levels: list[Level], node: Tensor | None = None):
-    """Stack residual levels on the conditionals cond [B, L, V] along path x [B, L] (q [B, L, V] its draft
-    conditionals, log_s [B, L+1] its log draft joint masses). Returns the final conditionals, each level's input
-    log joint masses along x [n][B, L+1] and, when node [B] is given, each level's input conditional there [n][B, V]."""
-    L = x.shape[1]
-    position = torch.arange(L, device=x.device)
+    """Stack residual levels on the conditionals cond [B, n, V] at the first n nodes of path x [B, n] (q [B, n, V]
+    its draft conditionals, log_s [B, n+1] its log draft joint masses). Returns the final conditionals, each level's
+    input log joint masses along x [levels][B, n+1] and, when node [B] is given, each level's input conditional
+    there [levels][B, V]."""
     input_log_joint, input_at_node = [], []
     for level in levels:
         log_m = cumulative_log(cond, x)
         input_log_joint.append(log_m)
         if node is not None:
             input_at_node.append(pick(cond, node))
-        log_lambda = level.log_s0[:, None] + log_s[:, :L] - level.log_m0[:, None] - log_m[:, :L]
-        lam = log_lambda.clamp(max=MAX_LOG_RATIO).exp()
-        residual = normalise((cond - lam[..., None] * q).clamp_min(0), cond)
-        point_mass = torch.zeros_like(cond).scatter_(-1, level.anchor.unsqueeze(-1), 1.0)
-        updated = torch.where((position < level.anchor_len[:, None])[..., None], point_mass, residual)
-        cond = torch.where((position < level.end[:, None])[..., None], updated, cond)
+        span = min(x.shape[1], int(level.end.max()))  # the level leaves the nodes beyond its window alone
+        if span > 0:
+            cond = torch.cat([apply_level(level, cond[:, :span], q[:, :span], log_s[:, :span] - log_m[:, :span]),
+                              cond[:, span:]], 1)
     return cond, input_log_joint, input_at_node
 
 
-def greedy_acceptance(cond: Tensor, q: Tensor, x: Tensor, log_s: Tensor) -> Tensor:
-    """h_1..h_L of the greedy block coupling of path x against the target conditionals cond (spec 4.2)."""
-    L = x.shape[1]
+def apply_level(level: Level, cond: Tensor, q: Tensor, log_s_over_m: Tensor) -> Tensor:
+    """One residual level on the nodes of cond [B, n, V]: a point mass below the anchor, the residual from it on.
+    Each part is computed only on the nodes where some row needs it (this is the verifier's hot loop)."""
+    n = cond.shape[1]
+    below, above = int(level.anchor_len.min().clamp(max=n)), int(level.anchor_len.max().clamp(max=n))
+    lam = ((level.log_s0 - level.log_m0)[:, None] + log_s_over_m[:, below:]).clamp(max=MAX_LOG_RATIO).exp()
+    residual = normalise((cond[:, below:] - lam[..., None] * q[:, below:]).clamp_min(0), cond[:, below:])
+    point_mass = torch.zeros_like(cond[:, :above]).scatter_(-1, level.anchor[:, :above, None], 1.0)
+    mixed = torch.arange(below, above, device=cond.device) < level.anchor_len[:, None]
+    updated = torch.cat([point_mass[:, :below],
+                         torch.where(mixed[..., None], point_mass[:, below:], residual[:, : above - below]),
+                         residual[:, above - below:]], 1)
+    if (level.end >= n).all():
+        return updated
+    return torch.where((torch.arange(n, device=cond.device) < level.end[:, None])[..., None], updated, cond)
+
+
+def greedy_acceptance(cond: Tensor, q: Tensor, x: Tensor, log_s: Tensor, block_length: int) -> Tensor:
+    """h_1..h_L [B, L] of the greedy block coupling of path x against the target conditionals cond (spec 4.2), given
+    at the first n nodes only: beyond them the path has zero mass under the target, so h = 0 there."""
+    n = x.shape[1]
     rho = (cumulative_log(cond, x) - log_s)[:, 1:].clamp(max=MAX_LOG_RATIO).exp()  # joint ratio, not clamped at 1
-    mu = torch.minimum(q[:, 1:L], rho[:, : L - 1, None] * cond[:, 1:L]).sum(-1)
+    mu = torch.minimum(q[:, 1:n], rho[:, : n - 1, None] * cond[:, 1:n]).sum(-1)
     gap = 1 - mu
-    h_inner = torch.where(gap > 0, (rho[:, : L - 1].clamp(max=1) - mu) / gap.clamp_min(torch.finfo(gap.dtype).tiny),
+    h_inner = torch.where(gap > 0, (rho[:, : n - 1].clamp(max=1) - mu) / gap.clamp_min(torch.finfo(gap.dtype).tiny),
                           torch.ones_like(mu))
-    return torch.cat([h_inner.clamp(0, 1), rho[:, L - 1:].clamp(max=1)], -1)
+    last = rho[:, n - 1:].clamp(max=1) if n == block_length else torch.zeros_like(rho[:, :1])
+    return torch.cat([h_inner.clamp(0, 1), last, rho.new_zeros(rho.shape[0], block_length - n)], -1)
 
 
 class GreedyBlockVerifier(Verifier):
@@ -85,41 +101,59 @@ class GreedyBlockVerifier(Verifier):
     def verify(self, tokens, q, p, generator, state):
         B, K, L = tokens.shape
         log_s = torch.cat([torch.zeros_like(q[:, :, :1, 0]), token_probs(q, tokens).log().cumsum(-1)], -1)
+        common = (tokens[:, :, None] == tokens[:, None]).long().cumprod(-1).sum(-1)  # [B, K, K] common prefix lengths
         levels = pending_to_levels(state, tokens)
         u = uniforms((B, K, L), q, generator)
         done = torch.zeros(B, dtype=torch.bool, device=q.device)
         best_len = torch.zeros(B, dtype=torch.long, device=q.device)
         best_draft = torch.zeros_like(best_len)
+        anchors = []
         for k in range(K):
-            cond, _, _ = apply_levels(p[:, k, :L], q[:, k], tokens[:, k], log_s[:, k], levels)
-            t = last_success(greedy_acceptance(cond, q[:, k], tokens[:, k], log_s[:, k]), u[:, k])
-            full = ~done & (t == L)
+            if done.all():
+                break
+            n = live_nodes(common[:, k], anchors, done, L)
+            cond, _, _ = apply_levels(p[:, k, :n], q[:, k, :n], tokens[:, k, :n], log_s[:, k, : n + 1], levels)
+            t = last_success(greedy_acceptance(cond, q[:, k, :n], tokens[:, k, :n], log_s[:, k, : n + 1], L), u[:, k])
             longer = ~done & (t > best_len)  # t is automatically consistent with the known prefix of Y
             best_len = torch.where(longer, t, best_len)
             best_draft = torch.where(longer, k, best_draft)
-            done |= full
+            done |= t == L
+            anchors.append((k, t))
             levels.append(Level(torch.zeros_like(log_s[:, 0, 0]), torch.zeros_like(log_s[:, 0, 0]), t,
                                 torch.where(done, 0, L), tokens[:, k]))
 
-        # Replay every level along the best path to get the correction law and each level's input there.
-        x, log_s_best = pick(tokens, best_draft), pick(log_s, best_draft)
-        node = best_len.clamp(max=L - 1)
-        cond, input_log_joint, input_at_node = apply_levels(
-            pick(p, best_draft)[:, :L], pick(q, best_draft), x, log_s_best, levels, node)
         bonus = pick(p, best_draft)[:, L]
+        if done.all():
+            return VerifierOutput(best_len, best_draft, sample(bonus, generator), None)
+        # Replay every level along the best path to get the correction law and each level's input there.
+        node = torch.where(done, 0, best_len)
+        n = int(node.max()) + 1
+        x, q_best, log_s_best = pick(tokens, best_draft)[:, :n], pick(q, best_draft)[:, :n], pick(log_s, best_draft)
+        cond, input_log_joint, input_at_node = apply_levels(
+            pick(p, best_draft)[:, :n], q_best, x, log_s_best[:, : n + 1], levels, node)
         next_token = sample(torch.where(done[:, None], bonus, pick(cond, node)), generator)
 
+        # The levels stay in force after the emitted tokens: accumulate their masses along best + next_token.
+        at = lambda t, i: t.gather(-1, i[:, None]).squeeze(-1)  # noqa: E731
+        log_s_new = at(log_s_best, node) + at(pick(q_best, node), next_token).log()
         emitted = best_len + 1
-        log_q_y = pick(pick(q, best_draft), node).gather(-1, next_token[:, None]).squeeze(-1).log()
-        log_s_new = log_s_best.gather(-1, node[:, None]).squeeze(-1) + log_q_y
         pending = PendingLevels(
             log_s=torch.stack([lv.log_s0 + log_s_new for lv in levels], -1),
-            log_m=torch.stack([lv.log_m0 + lm.gather(-1, node[:, None]).squeeze(-1)
-                               + at.gather(-1, next_token[:, None]).squeeze(-1).log()
-                               for lv, lm, at in zip(levels, input_log_joint, input_at_node)], -1),
+            log_m=torch.stack([lv.log_m0 + at(lm, node) + at(cm, next_token).log()
+                               for lv, lm, cm in zip(levels, input_log_joint, input_at_node)], -1),
             remaining=torch.stack([torch.where(done, 0, (lv.end - emitted).clamp_min(0)) for lv in levels], -1),
         )
         return VerifierOutput(best_len, best_draft, next_token, compact(pending))
+
+
+def live_nodes(common: Tensor, anchors: list[tuple[int, Tensor]], done: Tensor, block_length: int) -> int:
+    """How many leading nodes of a draft can carry target mass: an earlier draft j accepted up to t_j revealed that
+    Y starts with its first t_j tokens, so a draft that leaves them after c < t_j common tokens has zero mass from
+    depth c + 1 on. Computing only those nodes is what keeps later drafts cheap."""
+    limit = torch.full_like(common[:, 0], block_length)
+    for j, t in anchors:
+        limit = torch.where(common[:, j] < t, torch.minimum(limit, common[:, j] + 1), limit)
+    return max(1, int(limit.masked_fill(done, 0).max()))
 
 
 def pending_to_levels(state: PendingLevels | None, tokens: Tensor) -> list[Level]:

@@ -15,6 +15,7 @@ import torch
 from .base import Verifier, VerifierOutput, normalise, pick, sample, token_probs, uniforms
 
 DENOMINATOR_GUARD = 1e-20  # as in the published code
+MAX_RATIO = 1e30  # S/B beyond this already makes every a = 1; keeps the ratio finite in float32
 
 
 class PaperSpecTrGBVVerifier(Verifier):
@@ -23,18 +24,17 @@ class PaperSpecTrGBVVerifier(Verifier):
 
     def verify(self, tokens, q, p, generator, state):
         B, K, L = tokens.shape
-        dtype = q.dtype
-        q, p = q.double(), p.double()  # joint masses of whole blocks underflow float32
-        one = torch.ones_like(q[:, :, :1, 0])
-        S = torch.cat([one, token_probs(q, tokens).cumprod(-1)], -1)  # [B, K, L+1]
-        Bm = torch.cat([one, token_probs(p, tokens).cumprod(-1)], -1)
-        f = lambda s, b: 1 - (1 - torch.where(b > 0, s / b.clamp_min(1e-300), 1.0).clamp(max=1)) ** K
+        # Joint masses of whole blocks underflow float32: keep them (scalars per node) in float64, and do the
+        # vocabulary-wide work in the inputs' dtype with the per-node ratio S/B factored out.
+        one = torch.ones_like(q[:, :, :1, 0], dtype=torch.float64)
+        S = torch.cat([one, token_probs(q, tokens).double().cumprod(-1)], -1)  # [B, K, L+1]
+        Bm = torch.cat([one, token_probs(p, tokens).double().cumprod(-1)], -1)
         sigma = 1 - (1 - S) ** K
+        G = Bm * coverage(S / Bm.clamp_min(1e-300), K)
 
         # h of every sub-block u = x^i, i = 1..L-1, of every draft at once: [G(u) - sum_c G(uc)] / [sigma(u) - ...]
-        S_in, B_in = S[:, :, 1:L, None], Bm[:, :, 1:L, None]
-        children = (B_in * p[:, :, 1:L] * f(S_in * q[:, :, 1:L], B_in * p[:, :, 1:L])).sum(-1)
-        G = Bm * f(S, Bm)
+        ratio = (S / Bm.clamp_min(1e-300))[:, :, 1:L, None].clamp(max=MAX_RATIO).to(q.dtype)
+        children = Bm[:, :, 1:L] * child_coverage(p[:, :, 1:L], q[:, :, 1:L], ratio, K).sum(-1).double()
         h_sub = ((G[:, :, 1:L] - children) / (sigma[:, :, 1:L] - children + DENOMINATOR_GUARD)).clamp(0, 1)
         h_full = (G[:, :, L] / (sigma[:, :, L] + DENOMINATOR_GUARD)).clamp(0, 1)
 
@@ -56,9 +56,19 @@ class PaperSpecTrGBVVerifier(Verifier):
             tau, sel, done = torch.where(full, L, tau), torch.where(full, k, sel), done | full
 
         # correction from the G-residual at the accepted sub-block of draft `sel`: p(c) (1 - a(acc c))^K
-        node = tau.clamp(max=L - 1)
-        p_node, q_node = pick(pick(p, sel), tau), pick(pick(q, sel), node)
-        S_acc, B_acc = pick(S, sel).gather(-1, tau[:, None]), pick(Bm, sel).gather(-1, tau[:, None])
-        residual = normalise(p_node * (1 - f(S_acc * q_node, B_acc * p_node)), p_node)
-        next_token = sample(torch.where(done[:, None], p_node, residual).to(dtype), generator)
+        p_node, q_node = pick(pick(p, sel), tau), pick(pick(q, sel), tau.clamp(max=L - 1))
+        ratio = (pick(S, sel) / pick(Bm, sel).clamp_min(1e-300)).gather(-1, tau[:, None]).clamp(max=MAX_RATIO)
+        residual = p_node - child_coverage(p_node, q_node, ratio.to(q.dtype), K)
+        next_token = sample(torch.where(done[:, None], p_node, normalise(residual.clamp_min(0), p_node)), generator)
         return VerifierOutput(tau, sel, next_token)
+
+
+def coverage(ratio, K):
+    """f = 1 - (1 - a)^K with a = min(1, S/B): the chance that some of K drafts covers the target's mass."""
+    return 1 - (1 - ratio.clamp(max=1)) ** K
+
+
+def child_coverage(p, q, ratio, K):
+    """G(u c) / B(u) = p(c) f(a(u c)) for every child c, with a(u c) = min(1, (S(u) / B(u)) q(c) / p(c))."""
+    a = torch.where(p > 0, ratio * q / p.clamp_min(torch.finfo(p.dtype).tiny), torch.ones_like(p))
+    return p * coverage(a, K)
