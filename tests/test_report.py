@@ -13,7 +13,7 @@ from spectr_gbv.report import main
 BLOCK_LENGTHS = (2, 4)
 
 
-def write_summary(folder, verifier, num_drafts, block_length, baseline=True):
+def write_summary(folder, verifier, num_drafts, block_length, baseline=True, datasets=("mtbench", "gsm8k")):
     counts = torch.zeros(len(COUNTERS), dtype=torch.float64)
     values = {"prompts": 4, "new_tokens": 40 + 5 * num_drafts, "target_calls": 20, "total_time": 2.0,
               "new_tokens_sq": 450, "target_calls_sq": 100, "new_x_calls": 210, "ar_new_tokens": 40 * baseline,
@@ -23,8 +23,8 @@ def write_summary(folder, verifier, num_drafts, block_length, baseline=True):
     metrics = aggregate(counts, torch.tensor([5.0, 3] + [1] * (block_length - 1), dtype=torch.float64))
     folder.mkdir(parents=True, exist_ok=True)
     summary = {"verifier": verifier, "num_drafts": num_drafts, "block_length": block_length, "temperature": 1.0,
-               "max_new_tokens": 16, "model": "tiny", "drafter": "tiny'", "metrics": {"mtbench": metrics,
-                                                                                      "overall": metrics}}
+               "max_new_tokens": 16, "model": "tiny", "drafter": "tiny'",
+               "metrics": {**{name: metrics for name in datasets}, "overall": metrics}}
     (folder / "summary.json").write_text(json.dumps(summary))
 
 
@@ -42,8 +42,9 @@ def sweep(tmp_path):
 def test_report_table_and_plots(sweep, capsys):
     main([str(sweep)])
     rows = list(csv.DictReader((sweep / "report.csv").open()))
-    assert len(rows) == 12 * 2  # every job, per dataset and overall
-    assert [row["job"] for row in rows[:6:2]] == ["0", "1", "2"] and rows[-1]["job"] == "11"  # numeric order
+    assert len(rows) == 12 * 3  # every job: per dataset, then overall
+    assert [row["job"] for row in rows[:9:3]] == ["0", "1", "2"] and rows[-1]["job"] == "11"  # numeric order
+    assert [row["dataset"] for row in rows[:3]] == ["mtbench", "gsm8k", "overall"]
     first = rows[0]
     assert first["verifier"] == "gbv" and first["num_drafts"] == "1" and float(first["speedup"]) > 1
     markdown = (sweep / "report.md").read_text()
@@ -53,9 +54,10 @@ def test_report_table_and_plots(sweep, capsys):
 
 
 def test_report_of_one_run_without_baseline(tmp_path, capsys):
-    write_summary(tmp_path, "token", 1, 4, baseline=False)
+    write_summary(tmp_path, "token", 1, 4, baseline=False, datasets=["nq"])
     main([str(tmp_path)])
-    assert "| token | 1 | 4 |" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "| . | nq | token | 1 | 4 |" in table and "overall" not in table  # one dataset: no repeated row
     assert not list(tmp_path.glob("*.png"))  # one point is no curve
 
 

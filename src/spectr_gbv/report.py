@@ -26,11 +26,14 @@ KNOBS_IN_LABEL = ("temperature", "model", "max_new_tokens")  # added to a line's
 
 
 def collect(folder: Path) -> list[dict]:
-    """One row per job and dataset (and one per job for "overall"), in folder order."""
+    """One row per job and dataset, then the job's "overall" row when it ran several datasets, in folder order."""
     rows = []
     for path in sorted(folder.rglob("summary.json"), key=job_order):
         summary = json.loads(path.read_text())
-        for dataset, metrics in summary["metrics"].items():
+        per_dataset = summary["metrics"]
+        if len(per_dataset) == 2:  # one dataset: "overall" repeats it
+            per_dataset = {name: metrics for name, metrics in per_dataset.items() if name != "overall"}
+        for dataset, metrics in per_dataset.items():
             row = {**summary, **metrics, "dataset": dataset, "job": str(path.parent.relative_to(folder))}
             rows.append({column: row.get(column) for column in COLUMNS})
     return rows
@@ -61,7 +64,8 @@ def cell(value) -> str:
 
 def plot(rows: list[dict], x: str, y: str, panel: str, path: Path) -> bool:
     """Lines of y against x, one per verifier (and varying knob), one panel per value of `panel`."""
-    rows = [row for row in rows if row["dataset"] == "overall" and row[y] is not None]
+    by_job = {row["job"]: row for row in rows}  # each job's last row: its overall result
+    rows = [row for row in by_job.values() if row[y] is not None]
     if len({row[x] for row in rows}) < 2:
         return False  # a single x value is a point, not a curve
     varying = [knob for knob in KNOBS_IN_LABEL if len({row[knob] for row in rows}) > 1]
