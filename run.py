@@ -11,7 +11,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from spectr_gbv.config import error_line, print_config_tree, validate
 
@@ -39,9 +39,8 @@ def evaluate(cfg: DictConfig) -> float:
     from spectr_gbv.module import SpeculativeEvaluation
     from spectr_gbv.sampling import Sampling
 
-    if HydraConfig.get().mode == RunMode.MULTIRUN and "wandb" in cfg.logger and cfg.logger.wandb.group is None:
-        with open_dict(cfg):  # the jobs of one sweep form one W&B group
-            cfg.logger.wandb.group = Path(HydraConfig.get().sweep.dir).name
+    if HydraConfig.get().mode == RunMode.MULTIRUN and "group" in (cfg.logger or {}) and cfg.logger.group is None:
+        cfg.logger.group = Path(HydraConfig.get().sweep.dir).name  # the jobs of one sweep form one W&B group
     rank_zero_only(print_config_tree)(cfg)
 
     knobs = {"verifier": cfg.verifier.name, **{key: cfg[key] for key in KNOBS}, "datasets": list(cfg.dataset),
@@ -55,9 +54,9 @@ def evaluate(cfg: DictConfig) -> float:
         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, baseline=cfg.baseline, output_dir=cfg.output_dir,
         knobs=knobs)
     datamodule = PromptDataModule(cfg.dataset, limit=cfg.limit)
-    loggers = [instantiate(logger) for logger in cfg.logger.values()]
-    trainer = instantiate(cfg.trainer, logger=loggers or False)
-    for logger in loggers:
+    logger = instantiate(cfg.logger) if cfg.logger else False
+    trainer = instantiate(cfg.trainer, logger=logger)
+    if logger:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     try:
         trainer.test(module, datamodule=datamodule)

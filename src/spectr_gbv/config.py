@@ -31,7 +31,7 @@ class Config:
     drafter: Any = MISSING
     verifier: VerifierConfig = MISSING
     dataset: dict[str, Any] = MISSING  # dataset name -> loader node
-    logger: dict[str, Any] = MISSING  # logger name -> Lightning logger node (empty: no logger)
+    logger: Any = MISSING  # a Lightning logger node, or None
     trainer: Any = MISSING
     # knobs
     num_drafts: int = MISSING

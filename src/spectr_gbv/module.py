@@ -95,7 +95,7 @@ class SpeculativeEvaluation(LightningModule):
     def generator(self, batch: dict) -> torch.Generator:
         """A generator seeded by (seed, dataset, prompt): outputs do not depend on how prompts are sharded."""
         key = f"{self.seed}/{batch['dataset']}/{batch['prompt_id']}".encode()
-        return torch.Generator().manual_seed(zlib.crc32(key))
+        return torch.Generator(device=self.target.model.device).manual_seed(zlib.crc32(key))
 
     def count(self, record: dict) -> None:
         row = self.names.index(record["dataset"])
