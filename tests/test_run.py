@@ -127,3 +127,20 @@ def test_bad_input_is_one_line(override, line, tmp_path):
     assert "Traceback" not in done.stderr
     if not override.startswith("dataset"):  # the rest fail before Lightning starts: nothing else is printed
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_default_real_pair_at_temperature_zero_equals_ar(tmp_path):
+    """The default Qwen pair (`make models`) through the chat template; greedy gbv emits exactly ar's tokens."""
+    outputs = {}
+    for verifier in ("gbv", "ar"):
+        folder = tmp_path / verifier
+        done = subprocess.run(
+            [sys.executable, "run.py", f"verifier={verifier}", "temperature=0", "draft_temperature=1", "limit=2",
+             "max_new_tokens=16", "model.dtype=float32", "drafter.dtype=float32", "logger=none",
+             f"hydra.run.dir={folder}"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[verifier] = {key: record["output_ids"] for key, record in records(folder).items()}
+    assert outputs["gbv"] == outputs["ar"]
+    summary = json.loads((tmp_path / "gbv" / "summary.json").read_text())
+    assert summary["model"] == "qwen2.5-coder-1.5b-instruct" and summary["metrics"]["overall"]["block_efficiency"] > 1
