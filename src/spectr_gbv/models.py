@@ -133,7 +133,7 @@ def cache_folder(name: str) -> Path:
 def prepare(name: str) -> Path:
     """Assemble the GGUF and convert it to a bfloat16 save_pretrained folder, once; return that folder.
 
-    Unpacking the GGUF takes a minute and several GB; the saved copy loads in seconds. Both steps write to a
+    Parsing and unpacking the GGUF takes minutes and several GB; the saved copy loads in seconds. Both steps write to a
     temporary name and rename, so an interrupted run (or a second process) never sees half a file.
     """
     if name not in PACKAGED:
@@ -182,8 +182,7 @@ def convert_to_bfloat16(gguf: Path, converted: Path) -> None:
     # The weights are plain tensors now, but the GGUF quantizer refuses to serialise: drop what it left behind so
     # the copy is an ordinary bfloat16 checkpoint.
     loaded.model.hf_quantizer = None
-    loaded.model.config.quantization_config = None
-    del loaded.model.config.quantization_config
+    vars(loaded.model.config).pop("quantization_config", None)  # set by some architectures' GGUF loaders only
     partial = converted.with_name(f"{converted.name}.{os.getpid()}.partial")
     loaded.model.save_pretrained(partial)
     loaded.tokenizer.save_pretrained(partial)
