@@ -144,3 +144,18 @@ def test_default_real_pair_at_temperature_zero_equals_ar(tmp_path):
     assert outputs["gbv"] == outputs["ar"]
     summary = json.loads((tmp_path / "gbv" / "summary.json").read_text())
     assert summary["model"] == "qwen2.5-coder-1.5b-instruct" and summary["metrics"]["overall"]["block_efficiency"] > 1
+
+
+def test_torn_last_line_is_decoded_again_and_shards_merge(tmp_path):
+    """A kill in the middle of a write (possible on some filesystems) loses only that prompt; rank files merge."""
+    from spectr_gbv.module import merge_rank_files, open_for_append, read_records, records_in
+
+    main, shard = tmp_path / "predictions.jsonl", tmp_path / "predictions.rank1.jsonl"
+    main.write_text('{"dataset": "d", "prompt_id": 0}\n{"dataset": "d", "prom')
+    shard.write_text('{"dataset": "d", "prompt_id": 1}\n{"dataset": "d", "prompt_id": 0}\n')
+    descriptor = open_for_append(main)
+    os.write(descriptor, b'{"dataset": "d", "prompt_id": 2}\n')
+    os.close(descriptor)
+    assert sorted(read_records(tmp_path)) == [("d", 0), ("d", 1), ("d", 2)]
+    merge_rank_files(tmp_path)
+    assert not shard.exists() and list(records_in(main)) == [("d", 0), ("d", 2), ("d", 1)]
