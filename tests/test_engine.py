@@ -260,3 +260,5 @@ def test_bad_engine_arguments_are_refused(greedy_pair):
         SpeculativeEngine(target, drafter, "token", num_drafts=2).generate(prompts[0], 4, torch.Generator())
     with pytest.raises(ValueError, match="max_new_tokens"):
         SpeculativeEngine(target, None, "ar").generate(prompts[0], 0, torch.Generator())
+    with pytest.warns(UserWarning, match="draft_temperature"):  # K greedy drafts would all be the same
+        SpeculativeEngine(target, drafter, "gbv", num_drafts=2, sampling=Sampling(temperature=0.0))

@@ -23,9 +23,13 @@ from spectr_gbv.verifiers import build_verifier
 
 @dataclass
 class DecodeRecord:
+    """One sequence. Every iteration emits accepted_lengths[i] + 1 tokens except the last, which may be cut at EOS
+    or max_new_tokens: sum(accepted_lengths) + target_calls >= new_tokens, equal unless the last block was cut
+    (`ar` records no accepted lengths and one target call per token)."""
+
     output_ids: list[int] = field(default_factory=list)  # new tokens only, EOS included when reached
     new_tokens: int = 0
-    target_calls: int = 0  # forward passes of the target (the prefill pass produces the first token)
+    target_calls: int = 0  # target passes that emit tokens: one per iteration (ar: per token, prefill included)
     accepted_lengths: list[int] = field(default_factory=list)  # per iteration, as the verifier decided
     draft_indices: list[int] = field(default_factory=list)  # per iteration, the winning draft
     draft_time: float = 0.0  # seconds, time.perf_counter
@@ -90,9 +94,13 @@ class SpeculativeEngine:
         # exactly the last token of `ids`: feeding it with the drafts makes the pass return p at the block start.
         target_cache = DynamicCache(config=self.target.model.config)
         draft_cache = DynamicCache(config=self.drafter.model.config)
-        if len(ids) > 1:
+        if len(ids) > 1:  # prefill, timed as each model's share
+            tick = time.perf_counter()
             self._forward(self.target, target_cache, torch.tensor([ids[:-1]]), logits_to_keep=1)
+            tock = time.perf_counter()
             self._forward(self.drafter, draft_cache, torch.tensor([ids[:-1]]), logits_to_keep=1)
+            record.target_time += tock - tick
+            record.draft_time += time.perf_counter() - tock
         state = None
         while True:
             tick = time.perf_counter()
