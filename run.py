@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from spectr_gbv.config import error_line, print_config_tree, validate
+from spectr_gbv.config import ConfigError, error_line, print_config_tree, validate
 
 KNOBS = ("num_drafts", "block_length", "temperature", "draft_temperature", "top_k", "top_p", "max_new_tokens",
          "limit", "seed", "baseline")
@@ -56,6 +56,11 @@ def evaluate(cfg: DictConfig) -> float:
     datamodule = PromptDataModule(cfg.dataset, limit=cfg.limit)
     logger = instantiate(cfg.logger) if cfg.logger else False
     trainer = instantiate(cfg.trainer, logger=logger)
+    if (HydraConfig.get().mode == RunMode.MULTIRUN and trainer.num_devices > 1
+            and not trainer.strategy.cluster_environment.creates_processes_externally):
+        # Lightning would start the other processes by re-running this command line: the whole sweep, again
+        raise ConfigError("trainer.devices", trainer.num_devices, "must be 1 inside a -m sweep; run multi-process "
+                          "jobs one command each, or let a launcher start the processes (submitit, torchrun)")
     if logger:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     try:

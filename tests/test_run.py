@@ -146,6 +146,12 @@ def test_default_real_pair_at_temperature_zero_equals_ar(tmp_path):
     assert summary["model"] == "qwen2.5-coder-1.5b-instruct" and summary["metrics"]["overall"]["block_efficiency"] > 1
 
 
+def test_local_ddp_inside_a_sweep_is_refused(tmp_path):
+    done = run_py("-m", "seed=1,2", "trainer=ddp_cpu", f"hydra.sweep.dir={tmp_path}")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: trainer.devices=2: must be 1 inside a -m sweep")
+
+
 def test_torn_last_line_is_decoded_again_and_shards_merge(tmp_path):
     """A kill in the middle of a write (possible on some filesystems) loses only that prompt; rank files merge."""
     from spectr_gbv.module import merge_rank_files, open_for_append, read_records, records_in
