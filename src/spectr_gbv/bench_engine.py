@@ -58,15 +58,16 @@ def encode(target: LoadedModel, text: str) -> list[int]:
     return target.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
 
 
-def run_engine(target, drafter, verifier, prompts, max_new_tokens, temperature, num_drafts=1, block_length=4,
-               seed=0) -> list[DecodeRecord]:
-    engine = SpeculativeEngine(target, drafter, verifier, num_drafts, block_length, Sampling(temperature))
-    generator = torch.Generator().manual_seed(seed)
-    return [engine.generate(prompt, max_new_tokens, generator) for prompt in prompts]
+def engine_method(target, drafter, verifier, max_new_tokens, temperature, num_drafts=1, block_length=4):
+    """prompt -> DecodeRecord, one generator for the method's whole run."""
+    engine = SpeculativeEngine(target, None if verifier == "ar" else drafter, verifier, num_drafts, block_length,
+                               Sampling(temperature))
+    generator = torch.Generator().manual_seed(0)
+    return lambda prompt: engine.generate(prompt, max_new_tokens, generator)
 
 
-def run_transformers(target, prompts, max_new_tokens, assistant=None, block_length=4) -> list[DecodeRecord]:
-    """Greedy generate(), or assisted generation drafting exactly block_length tokens per target call."""
+def transformers_method(target, max_new_tokens, assistant=None, block_length=4):
+    """prompt -> DecodeRecord by greedy generate(), or assisted generation drafting block_length tokens per call."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=sorted(SpeculativeEngine(target, None, "ar").eos_ids),
                               pad_token_id=target.tokenizer.pad_token_id)
@@ -74,39 +75,42 @@ def run_transformers(target, prompts, max_new_tokens, assistant=None, block_leng
         assistant.model.generation_config.num_assistant_tokens = block_length
         assistant.model.generation_config.num_assistant_tokens_schedule = "constant"
         assistant.model.generation_config.assistant_confidence_threshold = 0.0
-    calls = [0]
-    hook = target.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    records = []
-    try:
-        for prompt in prompts:
-            calls[0] = 0
+
+    def decode(prompt: list[int]) -> DecodeRecord:
+        calls = []  # target forward passes, counted by a hook: block efficiency measured as the engine's
+        hook = target.model.register_forward_hook(lambda *_: calls.append(1))
+        try:
             start = time.perf_counter()
             output = target.model.generate(torch.tensor([prompt], device=target.model.device), generation_config=config,
                                            assistant_model=None if assistant is None else assistant.model)
             elapsed = time.perf_counter() - start
-            new = output[0, len(prompt):].tolist()
-            records.append(DecodeRecord(output_ids=new, new_tokens=len(new), target_calls=calls[0],
-                                        accepted_lengths=[], draft_indices=[], total_time=elapsed))
-    finally:
-        hook.remove()
-    return records
+        finally:
+            hook.remove()
+        new = output[0, len(prompt):].tolist()
+        return DecodeRecord(output_ids=new, new_tokens=len(new), target_calls=len(calls), total_time=elapsed)
+
+    return decode
 
 
 def benchmark(target, drafter, prompts, max_new_tokens, block_length, max_drafts, console) -> list[Row]:
     L, n = block_length, max_new_tokens
-    plan = [
-        ("transformers generate()", 0.0, lambda: run_transformers(target, prompts, n)),
-        ("ar", 0.0, lambda: run_engine(target, None, "ar", prompts, n, 0.0)),
-        (f"transformers assisted, L={L}", 0.0, lambda: run_transformers(target, prompts, n, drafter, L)),
-        (f"token K=1 L={L}", 0.0, lambda: run_engine(target, drafter, "token", prompts, n, 0.0, 1, L)),
-        ("ar", 1.0, lambda: run_engine(target, None, "ar", prompts, n, 1.0)),
-        (f"token K=1 L={L}", 1.0, lambda: run_engine(target, drafter, "token", prompts, n, 1.0, 1, L)),
-    ] + [(f"gbv K={K} L={L}", 1.0, lambda K=K: run_engine(target, drafter, "gbv", prompts, n, 1.0, K, L))
+    methods = [
+        ("transformers generate()", 0.0, transformers_method(target, n)),
+        ("ar", 0.0, engine_method(target, drafter, "ar", n, 0.0)),
+        (f"transformers assisted, L={L}", 0.0, transformers_method(target, n, drafter, L)),
+        (f"token K=1 L={L}", 0.0, engine_method(target, drafter, "token", n, 0.0, 1, L)),
+        ("ar", 1.0, engine_method(target, drafter, "ar", n, 1.0)),
+        (f"token K=1 L={L}", 1.0, engine_method(target, drafter, "token", n, 1.0, 1, L)),
+    ] + [(f"gbv K={K} L={L}", 1.0, engine_method(target, drafter, "gbv", n, 1.0, K, L))
          for K in range(1, max_drafts + 1)]
-    rows = []
-    for method, temperature, run in plan:
-        rows.append(Row(method, temperature, run()))
-        console.log(f"{method} at T={temperature:g}: {rows[-1].tokens_per_second:.2f} tokens/s")
+    rows = [Row(method, temperature, []) for method, temperature, _ in methods]
+    # Prompt by prompt, every method in turn: a busy spell of other processes on the machine then slows all
+    # methods alike instead of the few that happened to run during it.
+    for i, prompt in enumerate(prompts):
+        for row, (_, _, decode) in zip(rows, methods):
+            row.records.append(decode(prompt))
+            console.log(f"prompt {i + 1}/{len(prompts)}, {row.method} at T={row.temperature:g}: "
+                        f"{row.records[-1].new_tokens / row.records[-1].total_time:.2f} tokens/s")
     return rows
 
 
@@ -125,14 +129,17 @@ def report(rows: list[Row], title: str, console: Console) -> None:
                       f"{row.total('total_time'):.2f}")
     console.print(table)
     generate, ar, assisted, token = rows[:4]
-    console.print(f"ar / generate() tokens/s: {ar.tokens_per_second / generate.tokens_per_second:.2f}; "
-                  f"token K=1 / assisted tokens/s: {token.tokens_per_second / assisted.tokens_per_second:.2f} "
-                  f"(block efficiency {token.block_efficiency:.2f} vs {assisted.block_efficiency:.2f}); "
-                  f"greedy outputs identical: {same_outputs(rows[:4])}")
+    console.print(f"ar / generate() tokens/s: {ar.tokens_per_second / generate.tokens_per_second:.2f} "
+                  f"(same tokens: {same_outputs(ar, generate)}); token K=1 / assisted tokens/s: "
+                  f"{token.tokens_per_second / assisted.tokens_per_second:.2f} (block efficiency "
+                  f"{token.block_efficiency:.2f} vs {assisted.block_efficiency:.2f}; same tokens: "
+                  f"{same_outputs(token, assisted)}, as ar: {same_outputs(token, ar)})")
 
 
-def same_outputs(rows: list[Row]) -> bool:
-    return all([r.output_ids for r in row.records] == [r.output_ids for r in rows[0].records] for row in rows)
+def same_outputs(a: Row, b: Row) -> bool:
+    """Greedy outputs agree exactly in float32/float64; in bfloat16 a pass over L+1 positions rounds differently
+    from a pass over one, so a near-tie can flip and the texts part."""
+    return [r.output_ids for r in a.records] == [r.output_ids for r in b.records]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
     target, drafter = load_pair(args.tiny)
     prompts = [encode(target, text) for text in PROMPTS[:args.prompts]]
-    run_engine(target, drafter, "token", prompts[:1], 2, 0.0)  # warm-up: first calls pay one-time costs
-    run_transformers(target, prompts[:1], 2, drafter)
+    engine_method(target, drafter, "token", 2, 0.0)(prompts[0])  # warm-up: first calls pay one-time costs
+    transformers_method(target, 2, drafter)(prompts[0])
     console = Console(width=150)  # a wide table, also when piped to a file
     rows = benchmark(target, drafter, prompts, args.max_new_tokens, args.block_length, args.max_drafts, console)
     report(rows, f"{target.name} <- {drafter.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
