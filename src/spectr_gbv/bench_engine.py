@@ -117,15 +117,16 @@ def benchmark(target, drafter, prompts, max_new_tokens, block_length, max_drafts
 def report(rows: list[Row], title: str, console: Console) -> None:
     baseline = {row.temperature: row for row in rows if row.method == "ar"}
     table = Table(title=title)
-    for column in ["method", "T", "tokens", "tok/s", "speedup vs ar", "block eff.", "draft s", "target s",
-                   "verify s", "total s"]:
+    for column in ["method", "T", "tokens", "tok/s", "speedup vs ar", "block eff.", "s/target call", "draft s",
+                   "target s", "verify s", "total s"]:
         table.add_column(column, justify="left" if column == "method" else "right")
     for row in rows:
         speedup = row.tokens_per_second / baseline[row.temperature].tokens_per_second
         split = ["-"] * 3 if row.method.startswith("transformers") else [
             f"{row.total(key):.2f}" for key in ("draft_time", "target_time", "verify_time")]
         table.add_row(row.method, f"{row.temperature:g}", str(int(row.total("new_tokens"))),
-                      f"{row.tokens_per_second:.1f}", f"{speedup:.2f}x", f"{row.block_efficiency:.2f}", *split,
+                      f"{row.tokens_per_second:.2f}", f"{speedup:.2f}x", f"{row.block_efficiency:.2f}",
+                      f"{row.total('total_time') / row.total('target_calls'):.3f}", *split,
                       f"{row.total('total_time'):.2f}")
     console.print(table)
     generate, ar, assisted, token = rows[:4]
