@@ -254,7 +254,7 @@ def test_bad_engine_arguments_are_refused(greedy_pair):
         SpeculativeEngine(target, None, "gbv")
     with pytest.raises(ValueError, match="num_drafts"):
         SpeculativeEngine(target, drafter, "gbv", num_drafts=0)
-    with pytest.raises(ValueError, match="vocab_size"):
+    with pytest.raises(ValueError, match="do not share a tokenizer"):
         SpeculativeEngine(target, tiny(vocab_size=8), "gbv")
     with pytest.raises(ValueError, match="at most 1 draft"):  # the verifier's own check
         SpeculativeEngine(target, drafter, "token", num_drafts=2).generate(prompts[0], 4, torch.Generator())

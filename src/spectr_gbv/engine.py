@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from spectr_gbv.models import LoadedModel
+from spectr_gbv.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.sampling import Sampling, warp
 from spectr_gbv.verifiers import build_verifier
 
@@ -51,9 +51,8 @@ class SpeculativeEngine:
         self.verifier = None if verifier == "ar" else build_verifier(verifier)
         if self.verifier is not None and drafter is None:
             raise ValueError(f"verifier={verifier!r} needs a drafter; only 'ar' runs without one")
-        if self.verifier is not None and drafter.model.config.vocab_size != target.model.config.vocab_size:
-            raise ValueError(f"drafter vocab_size={drafter.model.config.vocab_size} differs from the target's "
-                             f"{target.model.config.vocab_size}: drafter and target must share a vocabulary")
+        if self.verifier is not None:
+            check_same_tokenizer(target, drafter)
         if self.verifier is not None and num_drafts > 1 and sampling.drafter_temperature == 0:
             warnings.warn(f"num_drafts={num_drafts} with a greedy drafter makes all drafts identical; "
                           "set sampling.draft_temperature > 0")
