@@ -129,13 +129,16 @@ class SpeculativeEngine:
 
     def _draft(self, cache, ids, generator) -> tuple[Tensor, Tensor]:
         """K i.i.d. blocks of L tokens [K, L] and the warped q each token was sampled from [K, L, V]."""
-        pending = torch.tensor([ids[cache.get_seq_length():]]).repeat(self.num_drafts, 1)  # 1 or 2 tokens
-        if self.num_drafts > 1:
-            cache.batch_repeat_interleave(self.num_drafts)  # the K rows share the committed prefix
+        pending = torch.tensor([ids[cache.get_seq_length():]])  # the 1 or 2 committed tokens not yet seen
         tokens, probs = [], []
-        for _ in range(self.block_length):
+        for step in range(self.block_length):
             logits = self._forward(self.drafter, cache, pending, logits_to_keep=1)[:, -1]
             q = warp(logits, self.sampling.drafter_temperature, self.sampling.top_k, self.sampling.top_p)
+            if step == 0 and self.num_drafts > 1:
+                # The first token's law depends on committed tokens only: one row gives it to all K drafts, which
+                # part ways from here on, each row with its own copy of the committed prefix's cache.
+                q = q.expand(self.num_drafts, -1)
+                cache.batch_repeat_interleave(self.num_drafts)
             pending = torch.multinomial(q, 1, generator=generator)
             tokens.append(pending)
             probs.append(q)
