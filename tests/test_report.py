@@ -48,7 +48,11 @@ def test_report_table_and_plots(sweep, capsys):
     first = rows[0]
     assert first["verifier"] == "gbv" and first["num_drafts"] == "1" and float(first["speedup"]) > 1
     markdown = (sweep / "report.md").read_text()
-    assert markdown == capsys.readouterr().out and markdown.count("\n") == 2 + len(rows)
+    assert markdown == capsys.readouterr().out
+    by_dataset, long_table = markdown.split("\n\n")
+    assert by_dataset.startswith("| method | mtbench BE | gsm8k BE | mean BE | mtbench speedup | gsm8k speedup |")
+    assert by_dataset.count("\n") == 2 + 12 - 1 and "| gbv K=1 L=2 | " in by_dataset  # a row per job
+    assert long_table.count("\n") == 2 + len(rows)
     for name in ("block_efficiency_vs_num_drafts", "block_efficiency_vs_block_length", "speedup_vs_num_drafts"):
         assert (sweep / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 

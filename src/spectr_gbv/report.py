@@ -45,15 +45,41 @@ def job_order(path: Path) -> list:
 
 
 def write_tables(rows: list[dict], folder: Path) -> str:
+    """report.csv, one row per job and dataset; returns the same as a Markdown table."""
     with (folder / "report.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(row[column]) for column in COLUMNS) + " |" for row in rows]
-    markdown = "\n".join(lines) + "\n"
-    (folder / "report.md").write_text(markdown)
-    return markdown
+    return "\n".join(lines) + "\n"
+
+
+def dataset_table(rows: list[dict]) -> str:
+    """The paper's Table 1 shape: a row per method, block efficiency (standard error) and speedup per dataset, and
+    their average over datasets. Empty when the jobs ran a single dataset."""
+    datasets = list(dict.fromkeys(row["dataset"] for row in rows if row["dataset"] != "overall"))
+    if len(datasets) < 2:
+        return ""
+    methods: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        methods.setdefault(f"{row['verifier']} K={row['num_drafts']} L={row['block_length']}", {})[row["dataset"]] = row
+    header = ["method"] + [f"{name} BE" for name in datasets] + ["mean BE"] + [f"{name} speedup" for name in datasets]
+    header += ["mean speedup"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method, by_dataset in methods.items():
+        found = [by_dataset[name] for name in datasets if name in by_dataset]
+        efficiency = [f"{r['block_efficiency']:.2f} ({r['block_efficiency_se']:.2f})" for r in found]
+        speedups = [r["speedup"] for r in found]
+        mean_speedup = sum(speedups) / len(speedups) if None not in speedups else None
+        lines.append("| " + " | ".join([method, *efficiency, cell(mean(r["block_efficiency"] for r in found)),
+                                        *map(cell, speedups), cell(mean_speedup)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def cell(value) -> str:
@@ -98,7 +124,8 @@ def report(folder: Path) -> str:
     rows = collect(folder)
     if not rows:
         raise SystemExit(f"error: folder={folder}: no summary.json below it; give a run or multirun folder")
-    markdown = write_tables(rows, folder)
+    markdown = "\n".join(table for table in (dataset_table(rows), write_tables(rows, folder)) if table)
+    (folder / "report.md").write_text(markdown)
     plots = [("num_drafts", "block_efficiency", "block_length"), ("block_length", "block_efficiency", "num_drafts"),
              ("num_drafts", "speedup", "block_length")]
     for x, y, panel in plots:
