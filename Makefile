@@ -28,8 +28,10 @@ models: install
 test-slow: models
 	$(PY) -m pytest -q -m slow
 
-bench: install
+# Verifier kernels (a minute), then the engine on the real pair against transformers (about 10 minutes on 2 cores).
+bench: models
 	$(PY) -m spectr_gbv.bench
+	$(PY) -m spectr_gbv.bench_engine
 
 audit: install
 	$(PY) -m spectr_gbv.audit

@@ -21,7 +21,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import WandbLogger
 
 from spectr_gbv.engine import DecodeRecord, SpeculativeEngine
-from spectr_gbv.models import LoadedModel, check_same_tokenizer
+from spectr_gbv.models import LoadedModel
 from spectr_gbv.sampling import Sampling
 
 # Per-dataset sums; every aggregate is a function of sums, so a sum over ranks gives the one-process result.
@@ -50,8 +50,7 @@ class SpeculativeEvaluation(LightningModule):
         self.target = self.load_target()
         drafter = None
         if self.verifier != "ar":  # plain decoding needs no drafter: do not load one
-            drafter = self.load_drafter()
-            check_same_tokenizer(self.target, drafter)
+            drafter = self.load_drafter()  # the engine refuses one with another tokenizer
         self.drafter_name = drafter.name if drafter else None
         self.engine = SpeculativeEngine(self.target, drafter, self.verifier, self.num_drafts, self.block_length,
                                         self.sampling)
