@@ -76,3 +76,14 @@ def test_wandb_sweep_runs_the_hydra_grid():
     for knob, values in hydra_sweep["params"].items():
         assert [str(value) for value in wandb_sweep["parameters"][knob]["values"]] == values.split(",")
     assert wandb_sweep["program"] == "run.py" and "${args_no_hyphens}" in wandb_sweep["command"]
+
+
+def test_greedy_agreement_counts_prompts_with_ar_tokens(tmp_path, capsys):
+    for job, verifier, outputs in [("0", "ar", [[1, 2], [3, 4]]), ("1", "gbv", [[1, 2], [3, 5]])]:
+        write_summary(tmp_path / job, verifier, 1, 4, baseline=False, datasets=["tiny"])
+        summary = json.loads((tmp_path / job / "summary.json").read_text())
+        (tmp_path / job / "summary.json").write_text(json.dumps({**summary, "temperature": 0}))
+        records = [{"dataset": "tiny", "prompt_id": i, "output_ids": ids} for i, ids in enumerate(outputs)]
+        (tmp_path / job / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    main([str(tmp_path)])
+    assert "| gbv K=1 | 1 / 2 |" in capsys.readouterr().out

@@ -2,7 +2,8 @@
 
     python -m spectr_gbv.report outputs/multirun/2026-01-01/12-00-00
 
-Reads each summary.json (one per job), writes report.md and report.csv into the folder (and prints the table),
+Reads each summary.json (one per job), writes report.md and report.csv into the folder (and prints the tables:
+by dataset in the paper's Table 1 shape when jobs ran several, agreement with `ar` at temperature 0, then all rows),
 and draws PNGs with matplotlib: block efficiency against num_drafts (one panel per block length) and against
 block_length (one panel per draft count), one line per verifier, and the same against num_drafts for the speedup
 over `ar` when the jobs ran with baseline=true. The summaries carry no optimal-transport bound (computing it needs
@@ -77,6 +78,27 @@ def dataset_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def greedy_agreement(folder: Path) -> str:
+    """At temperature 0 every lossless verifier must emit the target's greedy tokens: for each temperature-0 job,
+    how many of its prompts have exactly the output tokens of the `ar` job below the same folder."""
+    from spectr_gbv.module import read_records  # lazily: it imports torch and Lightning
+
+    jobs = [(path.parent, json.loads(path.read_text()))
+            for path in sorted(folder.rglob("summary.json"), key=job_order)]
+    greedy = [(job, summary) for job, summary in jobs if summary["temperature"] == 0]
+    reference = next((job for job, summary in greedy if summary["verifier"] == "ar"), None)
+    if reference is None:
+        return ""
+    expected = {key: record["output_ids"] for key, record in read_records(reference).items()}
+    lines = ["| method (temperature 0) | prompts with ar's exact tokens |", "|---|---|"]
+    for job, summary in greedy:
+        if job != reference:
+            records = read_records(job)
+            same = sum(record["output_ids"] == expected.get(key) for key, record in records.items())
+            lines.append(f"| {summary['verifier']} K={summary['num_drafts']} | {same} / {len(records)} |")
+    return "\n".join(lines) + "\n"
+
+
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
@@ -124,7 +146,8 @@ def report(folder: Path) -> str:
     rows = collect(folder)
     if not rows:
         raise SystemExit(f"error: folder={folder}: no summary.json below it; give a run or multirun folder")
-    markdown = "\n".join(table for table in (dataset_table(rows), write_tables(rows, folder)) if table)
+    tables = (dataset_table(rows), greedy_agreement(folder), write_tables(rows, folder))
+    markdown = "\n".join(table for table in tables if table)
     (folder / "report.md").write_text(markdown)
     plots = [("num_drafts", "block_efficiency", "block_length"), ("block_length", "block_efficiency", "num_drafts"),
              ("num_drafts", "speedup", "block_length")]
