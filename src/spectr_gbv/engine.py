@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from spectr_gbv.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.sampling import Sampling, warp
 from spectr_gbv.verifiers import build_verifier
+from spectr_gbv.verifiers.base import sample
 
 
 @dataclass
@@ -80,7 +81,7 @@ class SpeculativeEngine:
         while True:
             tick = time.perf_counter()
             logits = self._forward(self.target, cache, torch.tensor([pending]), logits_to_keep=1)[0, -1]
-            token = torch.multinomial(self._target_warp(logits), 1, generator=generator).item()
+            token = sample(self._target_warp(logits), generator).item()
             record.target_time += time.perf_counter() - tick
             record.target_calls += 1
             if self._emit(record, [token], max_new_tokens):
@@ -139,7 +140,7 @@ class SpeculativeEngine:
                 # part ways from here on, each row with its own copy of the committed prefix's cache.
                 q = q.expand(self.num_drafts, -1)
                 cache.batch_repeat_interleave(self.num_drafts)
-            pending = torch.multinomial(q, 1, generator=generator)
+            pending = sample(q, generator)[:, None]
             tokens.append(pending)
             probs.append(q)
         return torch.cat(tokens, 1), torch.stack(probs, 1)
