@@ -13,7 +13,8 @@ from spectr_gbv.report import main
 BLOCK_LENGTHS = (2, 4)
 
 
-def write_summary(folder, verifier, num_drafts, block_length, baseline=True, datasets=("mtbench", "gsm8k")):
+def write_summary(folder, verifier, num_drafts, block_length, baseline=True, datasets=("mtbench", "gsm8k"),
+                  temperature=1.0):
     counts = torch.zeros(len(COUNTERS), dtype=torch.float64)
     values = {"prompts": 4, "new_tokens": 40 + 5 * num_drafts, "target_calls": 20, "total_time": 2.0,
               "new_tokens_sq": 450, "target_calls_sq": 100, "new_x_calls": 210, "ar_new_tokens": 40 * baseline,
@@ -22,7 +23,7 @@ def write_summary(folder, verifier, num_drafts, block_length, baseline=True, dat
         counts[COUNTERS.index(key)] = value
     metrics = aggregate(counts, torch.tensor([5.0, 3] + [1] * (block_length - 1), dtype=torch.float64))
     folder.mkdir(parents=True, exist_ok=True)
-    summary = {"verifier": verifier, "num_drafts": num_drafts, "block_length": block_length, "temperature": 1.0,
+    summary = {"verifier": verifier, "num_drafts": num_drafts, "block_length": block_length, "temperature": temperature,
                "max_new_tokens": 16, "model": "tiny", "drafter": "tiny'",
                "metrics": {**{name: metrics for name in datasets}, "overall": metrics}}
     (folder / "summary.json").write_text(json.dumps(summary))
@@ -52,6 +53,9 @@ def test_report_table_and_plots(sweep, capsys):
     by_dataset, long_table = markdown.split("\n\n")
     assert by_dataset.startswith("| method | mtbench BE | gsm8k BE | mean BE | mtbench speedup | gsm8k speedup |")
     assert by_dataset.count("\n") == 2 + 12 - 1 and "| gbv K=1 L=2 | " in by_dataset  # a row per job
+    efficiency, error = float(rows[0]["block_efficiency"]), float(rows[0]["block_efficiency_se"])
+    mean_cell = f"| {efficiency:.2f} ({error / 2**0.5:.2f}) |"  # two datasets with equal errors
+    assert by_dataset.splitlines()[2].count(mean_cell) == 1
     assert long_table.count("\n") == 2 + len(rows)
     for name in ("block_efficiency_vs_num_drafts", "block_efficiency_vs_block_length", "speedup_vs_num_drafts"):
         assert (sweep / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
@@ -63,6 +67,14 @@ def test_report_of_one_run_without_baseline(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| . | nq | token | 1 | 4 |" in table and "overall" not in table  # one dataset: no repeated row
     assert not list(tmp_path.glob("*.png"))  # one point is no curve
+
+
+def test_report_plots_block_efficiency_against_temperature(tmp_path):
+    for job, temperature in enumerate((0.0, 0.4, 1.0)):
+        write_summary(tmp_path / str(job), "gbv", 3, 8, temperature=temperature)
+    main([str(tmp_path)])
+    assert (tmp_path / "block_efficiency_vs_temperature.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "block_efficiency_vs_num_drafts.png").exists()
 
 
 def test_report_of_an_empty_folder_is_one_error(tmp_path):
@@ -80,9 +92,7 @@ def test_wandb_sweep_runs_the_hydra_grid():
 
 def test_greedy_agreement_counts_prompts_with_ar_tokens(tmp_path, capsys):
     for job, verifier, outputs in [("0", "ar", [[1, 2], [3, 4]]), ("1", "gbv", [[1, 2], [3, 5]])]:
-        write_summary(tmp_path / job, verifier, 1, 4, baseline=False, datasets=["tiny"])
-        summary = json.loads((tmp_path / job / "summary.json").read_text())
-        (tmp_path / job / "summary.json").write_text(json.dumps({**summary, "temperature": 0}))
+        write_summary(tmp_path / job, verifier, 1, 4, baseline=False, datasets=["tiny"], temperature=0)
         records = [{"dataset": "tiny", "prompt_id": i, "output_ids": ids} for i, ids in enumerate(outputs)]
         (tmp_path / job / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     main([str(tmp_path)])

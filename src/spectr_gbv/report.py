@@ -4,14 +4,15 @@
 
 Reads each summary.json (one per job), writes report.md and report.csv into the folder (and prints the tables:
 by dataset in the paper's Table 1 shape when jobs ran several, agreement with `ar` at temperature 0, then all rows),
-and draws PNGs with matplotlib: block efficiency against num_drafts (one panel per block length) and against
-block_length (one panel per draft count), one line per verifier, and the same against num_drafts for the speedup
-over `ar` when the jobs ran with baseline=true. The summaries carry no optimal-transport bound (computing it needs
+and draws PNGs with matplotlib, one line per verifier: block efficiency against num_drafts (a panel per block
+length), against block_length (a panel per draft count) and against temperature, and the speedup over `ar` against
+num_drafts when the jobs ran with baseline=true. The summaries carry no optimal-transport bound (computing it needs
 the models' distributions at every prefix), so the plots draw none.
 """
 import argparse
 import csv
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -73,8 +74,8 @@ def dataset_table(rows: list[dict]) -> str:
         efficiency = [f"{r['block_efficiency']:.2f} ({r['block_efficiency_se']:.2f})" for r in found]
         speedups = [r["speedup"] for r in found]
         mean_speedup = sum(speedups) / len(speedups) if None not in speedups else None
-        lines.append("| " + " | ".join([method, *efficiency, cell(mean(r["block_efficiency"] for r in found)),
-                                        *map(cell, speedups), cell(mean_speedup)]) + " |")
+        lines.append("| " + " | ".join([method, *efficiency, mean_with_error(found), *map(cell, speedups),
+                                        cell(mean_speedup)]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -99,9 +100,12 @@ def greedy_agreement(folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
+def mean_with_error(rows: list[dict]) -> str:
+    """The average block efficiency over datasets and its standard error: the datasets' prompts are independent,
+    so the variances of the per-dataset estimates add."""
+    average = sum(row["block_efficiency"] for row in rows) / len(rows)
+    error = math.sqrt(sum(row["block_efficiency_se"] ** 2 for row in rows)) / len(rows)
+    return f"{average:.2f} ({error:.2f})"
 
 
 def cell(value) -> str:
@@ -116,7 +120,7 @@ def plot(rows: list[dict], x: str, y: str, panel: str, path: Path) -> bool:
     rows = [row for row in by_job.values() if row[y] is not None]
     if len({row[x] for row in rows}) < 2:
         return False  # a single x value is a point, not a curve
-    varying = [knob for knob in KNOBS_IN_LABEL if len({row[knob] for row in rows}) > 1]
+    varying = [knob for knob in KNOBS_IN_LABEL if knob != x and len({row[knob] for row in rows}) > 1]
     panels = sorted({row[panel] for row in rows})
     figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), sharey=True, squeeze=False)
     for axis, value in zip(axes[0], panels):
@@ -150,7 +154,7 @@ def report(folder: Path) -> str:
     markdown = "\n".join(table for table in tables if table)
     (folder / "report.md").write_text(markdown)
     plots = [("num_drafts", "block_efficiency", "block_length"), ("block_length", "block_efficiency", "num_drafts"),
-             ("num_drafts", "speedup", "block_length")]
+             ("num_drafts", "speedup", "block_length"), ("temperature", "block_efficiency", "num_drafts")]
     for x, y, panel in plots:
         plot(rows, x, y, panel, folder / f"{y}_vs_{x}.png")
     return markdown
