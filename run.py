@@ -36,7 +36,7 @@ def evaluate(cfg: DictConfig) -> float:
     from lightning.pytorch.utilities import rank_zero_only
 
     from spectr_gbv.data import PromptDataModule
-    from spectr_gbv.module import SpeculativeEvaluation
+    from spectr_gbv.module import SpeculativeEvaluation, claim_folder
     from spectr_gbv.sampling import Sampling
 
     if HydraConfig.get().mode == RunMode.MULTIRUN and "group" in (cfg.logger or {}) and cfg.logger.group is None:
@@ -46,6 +46,7 @@ def evaluate(cfg: DictConfig) -> float:
     knobs = {"verifier": cfg.verifier.name, **{key: cfg[key] for key in KNOBS}, "datasets": list(cfg.dataset),
              "model_config": OmegaConf.to_container(cfg.model, resolve=True),
              "drafter_config": OmegaConf.to_container(cfg.drafter, resolve=True)}
+    rank_zero_only(claim_folder)(Path(cfg.output_dir), knobs)  # the other processes start after it, in test()
     sampling = Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                         draft_temperature=cfg.draft_temperature)
     module = SpeculativeEvaluation(

@@ -111,6 +111,18 @@ def test_killed_job_keeps_its_records_and_resumes(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["metrics"]["overall"]["prompts"] == 6
 
 
+def test_a_folder_with_another_jobs_records_is_refused_and_kept(tmp_path):
+    assert run_py("verifier=gbv", "limit=1", f"hydra.run.dir={tmp_path}").returncode == 0
+    kept = (tmp_path / "predictions.jsonl").read_text()
+    done = run_py("verifier=spectr", "limit=2", f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (f"error: output_dir={tmp_path}: holds records of another job "
+                                                     "(verifier=gbv there, spectr now); give this job a new folder")
+    assert (tmp_path / "predictions.jsonl").read_text() == kept
+    assert run_py("verifier=gbv", "limit=2", f"hydra.run.dir={tmp_path}").returncode == 0  # more prompts: resumed
+    assert sorted(records(tmp_path)) == [("tiny", 0), ("tiny", 1)]
+
+
 @pytest.mark.parametrize("override, line", [
     ("num_drafts=0", "error: num_drafts=0: must be >= 1"),
     ("num_drafts=many", "error: num_drafts=many: Value 'many' of type 'str' could not be converted to Integer"),

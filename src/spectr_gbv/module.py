@@ -6,6 +6,7 @@ Files in the job's output folder (crash-safe, resumable):
                             rank r > 0 appends to predictions.rank<r>.jsonl instead (no two processes share a file);
                             at the end rank 0 moves those records into predictions.jsonl and deletes the shards.
   summary.json              the knobs and the aggregates, written by rank 0 when every prompt is done.
+  job.json                  the knobs, written before the first prompt (see claim_folder).
 On start every rank reads all predictions*.jsonl files; a prompt already recorded is counted, not decoded again.
 """
 import json
@@ -20,6 +21,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import WandbLogger
 
+from spectr_gbv.config import ConfigError
 from spectr_gbv.engine import DecodeRecord, SpeculativeEngine
 from spectr_gbv.models import LoadedModel
 from spectr_gbv.sampling import Sampling
@@ -28,6 +30,7 @@ from spectr_gbv.sampling import Sampling
 COUNTERS = ("prompts", "new_tokens", "target_calls", "new_tokens_sq", "target_calls_sq", "new_x_calls",
             "draft_time", "target_time", "verify_time", "total_time", "ar_new_tokens", "ar_time")
 TIMES = ("draft_time", "target_time", "verify_time", "total_time")
+GROWABLE = ("limit", "datasets")  # knobs a resumed job may change: records are per (dataset, prompt)
 
 
 class SpeculativeEvaluation(LightningModule):
@@ -130,6 +133,21 @@ class SpeculativeEvaluation(LightningModule):
     def teardown(self, stage: str) -> None:
         if hasattr(self, "predictions"):
             os.close(self.predictions)
+
+
+def claim_folder(folder: Path, knobs: dict) -> None:
+    """Refuse a folder whose records came from another job, then mark it as this job's. Resuming counts recorded
+    prompts as decoded, so records of another verifier or temperature would silently enter this job's numbers; a
+    rerun may only ask for more prompts or datasets."""
+    for name in ("job.json", "summary.json"):  # summary.json: folders written before job.json existed
+        path = folder / name
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        for key, value in knobs.items():
+            if key not in GROWABLE and key in earlier and earlier[key] != value:
+                raise ConfigError("output_dir", str(folder), f"holds records of another job ({key}={earlier[key]} "
+                                  f"there, {value} now); give this job a new folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "job.json").write_text(json.dumps(knobs, indent=2) + "\n")
 
 
 def decode_record_fields(out: DecodeRecord) -> dict:
