@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The study of docs/results.md, on the Qwen2.5-Coder 1.5B / 0.5B pair, with the project's own commands.
-# Sized for a 2-core, 24 GB CPU machine: 1 prompt per dataset, 32 new tokens (exactness: float32, 2 prompts, 24
-# tokens). One job at a time: two float32 jobs do not fit in 24 GB together. Rerunning a part resumes it (every
-# job skips the prompts already recorded in its folder).
+# Sized for a 2-core, 24 GB CPU machine, 32 new tokens: the main table 2 prompts per dataset (a standard error
+# needs two), the ablations 1 HumanEval prompt, exactness float32 with 2 MT-Bench prompts of 24 tokens. One job at a
+# time: two float32 jobs do not fit in 24 GB together, and the speedups need a quiet machine. Rerunning a part
+# resumes it (every job skips the prompts already recorded in its folder; a larger limit adds prompts).
 # Usage: bash sweeps/study.sh [main|ablation|temperature|exactness]...   (default: all four)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,10 +11,11 @@ PY=.venv/bin/python
 COMMON="logger=none limit=1 max_new_tokens=32"
 
 main() {  # Table 1: block length 8, temperature 0.4, the five datasets, speedup over ar measured in each job
-  $PY run.py -m verifier=token,bv,gbv num_drafts=1 block_length=8 temperature=0.4 dataset=all baseline=true $COMMON \
-    hydra.sweep.dir=docs/runs/main/k1
-  $PY run.py -m verifier=spectr,specinfer,multipath,gbv,spectr_gbv_paper num_drafts=3 block_length=8 temperature=0.4 \
-    dataset=all baseline=true $COMMON hydra.sweep.dir=docs/runs/main/k3
+  local MAIN="logger=none limit=2 max_new_tokens=32 block_length=8 temperature=0.4 dataset=all baseline=true"
+  $PY run.py -m verifier=token,bv,gbv num_drafts=1 $MAIN hydra.sweep.dir=docs/runs/main/k1
+  $PY run.py -m verifier=spectr,specinfer,multipath,gbv,spectr_gbv_paper num_drafts=3 $MAIN \
+    hydra.sweep.dir=docs/runs/main/k3
+  $PY run.py verifier=ar num_drafts=1 $MAIN hydra.run.dir=docs/runs/main/ar  # ar against itself: a speedup's noise
 }
 
 ablation() {  # num_drafts x block_length for gbv and spectr, on HumanEval

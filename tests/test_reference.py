@@ -184,6 +184,8 @@ def test_no_lossless_verifier_beats_the_bound(vocab, L, K):
     assert claimed_C(p, q, L, K) <= bound + EXACT
     for name in LOSSLESS:
         assert expected_accepted(name, p, q, L, drafts_for(name, K)) <= bound + EXACT, name
+    # with one draft the greedy rule reaches its bound in the first iteration (the audit's "of bound" = 100%)
+    assert expected_accepted("gbv", p, q, L, 1) == pytest.approx(bound_sum(p, q, L, 1), abs=EXACT)
 
 
 def test_single_draft_verifier_refuses_several_drafts():
