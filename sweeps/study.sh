@@ -15,7 +15,6 @@ main() {  # Table 1: block length 8, temperature 0.4, the five datasets, speedup
   $PY run.py -m verifier=token,bv,gbv num_drafts=1 $MAIN hydra.sweep.dir=docs/runs/main/k1
   $PY run.py -m verifier=spectr,specinfer,multipath,gbv,spectr_gbv_paper num_drafts=3 $MAIN \
     hydra.sweep.dir=docs/runs/main/k3
-  $PY run.py verifier=ar num_drafts=1 $MAIN hydra.run.dir=docs/runs/main/ar  # ar against itself: a speedup's noise
 }
 
 ablation() {  # num_drafts x block_length for gbv and spectr, on MT-Bench (HumanEval's first prompt accepts every
