@@ -79,24 +79,22 @@ def dataset_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def greedy_agreement(folder: Path) -> str:
+def greedy_agreement(rows: list[dict], folder: Path) -> str:
     """At temperature 0 every lossless verifier must emit the target's greedy tokens: for each temperature-0 job,
     how many of its prompts have exactly the output tokens of the `ar` job below the same folder."""
     from spectr_gbv.module import read_records  # lazily: it imports torch and Lightning
 
-    jobs = [(path.parent, json.loads(path.read_text()))
-            for path in sorted(folder.rglob("summary.json"), key=job_order)]
-    greedy = [(job, summary) for job, summary in jobs if summary["temperature"] == 0]
-    reference = next((job for job, summary in greedy if summary["verifier"] == "ar"), None)
+    greedy = {row["job"]: row for row in rows if row["temperature"] == 0}  # one entry per job, in folder order
+    reference = next((job for job, row in greedy.items() if row["verifier"] == "ar"), None)
     if reference is None:
         return ""
-    expected = {key: record["output_ids"] for key, record in read_records(reference).items()}
+    expected = {key: record["output_ids"] for key, record in read_records(folder / reference).items()}
     lines = ["| method (temperature 0) | prompts with ar's exact tokens |", "|---|---|"]
-    for job, summary in greedy:
+    for job, row in greedy.items():
         if job != reference:
-            records = read_records(job)
+            records = read_records(folder / job)
             same = sum(record["output_ids"] == expected.get(key) for key, record in records.items())
-            lines.append(f"| {summary['verifier']} K={summary['num_drafts']} | {same} / {len(records)} |")
+            lines.append(f"| {row['verifier']} K={row['num_drafts']} | {same} / {len(records)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,7 +148,7 @@ def report(folder: Path) -> str:
     rows = collect(folder)
     if not rows:
         raise SystemExit(f"error: folder={folder}: no summary.json below it; give a run or multirun folder")
-    tables = (dataset_table(rows), greedy_agreement(folder), write_tables(rows, folder))
+    tables = (dataset_table(rows), greedy_agreement(rows, folder), write_tables(rows, folder))
     markdown = "\n".join(table for table in tables if table)
     (folder / "report.md").write_text(markdown)
     plots = [("num_drafts", "block_efficiency", "block_length"), ("block_length", "block_efficiency", "num_drafts"),
