@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The study of docs/results.md, on the Qwen2.5-Coder 1.5B / 0.5B pair, with the project's own commands.
 # Sized for a 2-core, 24 GB CPU machine, 32 new tokens: the main table 2 prompts per dataset (a standard error
-# needs two), the ablations 1 HumanEval prompt, exactness float32 with 2 MT-Bench prompts of 24 tokens. One job at a
-# time: two float32 jobs do not fit in 24 GB together, and the speedups need a quiet machine. Rerunning a part
-# resumes it (every job skips the prompts already recorded in its folder; a larger limit adds prompts).
+# needs two), the drafts x block ablation 1 MT-Bench prompt, the temperature ablation 1 HumanEval prompt, exactness
+# float32 with 2 MT-Bench prompts of 24 tokens. One job at a time: two float32 jobs do not fit in 24 GB together, and
+# the speedups need a quiet machine. Rerunning a part resumes it (every job skips the prompts already recorded in its
+# folder; a larger limit adds prompts).
 # Usage: bash sweeps/study.sh [main|ablation|temperature|exactness]...   (default: all four)
 set -euo pipefail
 cd "$(dirname "$0")/.."
