@@ -6,7 +6,7 @@ import torch
 from scipy import stats
 
 from spectr_gbv.verifiers import VERIFIERS, build_verifier, optimal_acceptance
-from spectr_gbv.verifiers import block, reference, tree
+from spectr_gbv.verifiers import base, block, reference, tree
 from spectr_gbv.verifiers.block import bv_acceptance
 from spectr_gbv.verifiers.greedy import greedy_acceptance
 from toy_streams import ToyModel, generate_streams, law_p_value
@@ -20,13 +20,19 @@ def drafts_for(name, k):
     return 1 if VERIFIERS[name].max_drafts == 1 else k
 
 
-def random_call(B=4, K=2, L=3, V=5, dtype=torch.float64, seed=0):
+def random_call(B=4, K=2, L=3, V=5, dtype=torch.float64, seed=0, zero_below=0.0):
+    """Random drafts and distributions; weights under zero_below are zeroed, as top-k / top-p do."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.rand(B, K, L, V, generator=g, dtype=dtype)
-    p = torch.rand(B, K, L + 1, V, generator=g, dtype=dtype)
+    q = truncate(torch.rand(B, K, L, V, generator=g, dtype=dtype), zero_below)
+    p = truncate(torch.rand(B, K, L + 1, V, generator=g, dtype=dtype), zero_below)
     q, p = q / q.sum(-1, keepdim=True), p / p.sum(-1, keepdim=True)
     x = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, K, L)
     return x, q, p
+
+
+def truncate(weights, below):
+    """Zero the weights under `below`, keeping each row's largest so that no row is all zero."""
+    return weights * ((weights >= below) | (weights == weights.amax(-1, keepdim=True)))
 
 
 # ---- contract ---------------------------------------------------------------------------------------------------
@@ -78,6 +84,80 @@ def test_zeros_are_legal():
     p = p * (p > 0.1)  # truncation, as top-k / top-p do
     p = p / p.sum(-1, keepdim=True)
     build_verifier("gbv")(x, q, p, generator=torch.Generator().manual_seed(0))
+
+
+# ---- randomness: a generator per row, and uniforms that are exactly 0 -----------------------------------------
+
+ROW_SEEDS = [11, 12, 13, 14]
+
+
+def generators(seeds):
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+
+def outcome(out, rows=slice(None)):
+    return [t[rows].tolist() for t in (out.num_accepted, out.draft_index, out.next_token)]
+
+
+@pytest.mark.parametrize("name", VERIFIERS)
+def test_a_generator_per_row_makes_each_row_independent_of_the_batch(name):
+    """Row b of a batch with generators[b] gives exactly what row b alone gives with a generator seeded alike, over
+    three calls that thread the state (gbv's pending levels) on both sides."""
+    verifier, B = build_verifier(name), len(ROW_SEEDS)
+    batch_generators, alone_generators = generators(ROW_SEEDS), generators(ROW_SEEDS)
+    batch_state, alone_states = None, [None] * B
+    for seed in range(3):
+        x, q, p = random_call(B=B, K=drafts_for(name, 3), L=3, V=6, seed=seed, zero_below=0.2)
+        out = verifier(x, q, p, generator=batch_generators, state=batch_state)
+        batch_state = out.state
+        for b in range(B):
+            alone = verifier(x[b:b + 1], q[b:b + 1], p[b:b + 1], generator=alone_generators[b], state=alone_states[b])
+            alone_states[b] = alone.state
+            assert outcome(alone) == outcome(out, slice(b, b + 1)), f"row {b}, call {seed}"
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 6), (4, 6)])
+def test_sample_takes_row_draws_from_its_own_generator(shape):
+    probs = truncate(torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64), 0.3)
+    batch = base.sample(probs, generators(ROW_SEEDS))
+    alone = [base.sample(probs[b:b + 1], generator).tolist() for b, generator in enumerate(generators(ROW_SEEDS))]
+    assert [batch[b:b + 1].tolist() for b in range(len(ROW_SEEDS))] == alone
+
+
+@pytest.mark.parametrize("name", VERIFIERS)
+def test_a_single_generator_still_works_and_a_wrong_count_is_refused(name):
+    x, q, p = random_call(B=4, K=drafts_for(name, 3), V=6)
+    single = build_verifier(name)(x, q, p, generator=torch.Generator().manual_seed(0))
+    assert outcome(single) == outcome(build_verifier(name)(x, q, p, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match="one per row"):
+        build_verifier(name)(x, q, p, generator=generators(ROW_SEEDS[:3]))
+
+
+def truncated_instances(K, L, count=8, vocab=4):
+    """`count` trie-consistent instances, one per row: the target zeroes entries (top-k / top-p), the drafter not."""
+    rows = []
+    for seed in range(count):
+        p_model, q_model = reference.RandModel(vocab, seed, zero_prob=0.4), reference.RandModel(vocab, seed + 50)
+        rng = np.random.default_rng(seed)
+        rows.append(instance(p_model, q_model, [sample_path(q_model, L, rng) for _ in range(K)], rows=1))
+    return [torch.cat(parts) for parts in zip(*rows)]
+
+
+@pytest.mark.parametrize("name", VERIFIERS)
+def test_zero_uniforms_never_emit_a_token_the_target_excludes(name, monkeypatch):
+    """torch.rand returns exactly 0 about once in 2^24 float32 draws: with u <= h instead of u < h, that accepts a
+    drafted token of target probability 0. Every uniform is made 0 here."""
+    L = 3
+    x, q, p = truncated_instances(drafts_for(name, 3), L)
+    assert (p[:, :, :L].gather(-1, x[..., None]) == 0).any(), "no drafted token has target probability 0"
+    rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: rand(*args, **kwargs).zero_())
+    out = build_verifier(name)(x, q, p, generator=torch.Generator().manual_seed(0))
+    rows = torch.arange(len(x))
+    path, path_p = x[rows, out.draft_index], p[rows, out.draft_index]  # [B, L], [B, L+1, V]
+    accepted = torch.arange(L) < out.num_accepted[:, None]
+    assert (path_p[:, :L].gather(-1, path[..., None]).squeeze(-1)[accepted] > 0).all(), "accepted a p = 0 token"
+    assert (path_p[rows, out.num_accepted, out.next_token] > 0).all(), "next_token has p = 0"
 
 
 # ---- laws of whole streams --------------------------------------------------------------------------------------

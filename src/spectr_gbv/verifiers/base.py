@@ -4,6 +4,11 @@ Shapes: B independent sequences, K draft blocks of L tokens each, vocabulary V.
   draft_tokens  int64 [B, K, L]
   draft_probs   float [B, K, L, V]    q(. | context, first i tokens of draft k): what token i was sampled from
   target_probs  float [B, K, L+1, V]  p(. | context, first i tokens of draft k), i = L is the bonus distribution
+
+Randomness: one torch.Generator for the whole batch, or a list of B generators, one per row. With a list, row b's
+uniforms come from generator b alone and every verifier draws a number per row fixed by K and L, so a row's output
+does not depend on which other rows share the batch. Every acceptance test is strict (u < h): torch.rand returns
+exactly 0 about once in 2^24 float32 draws, and h = 0 (a token the target gives no mass) must never pass.
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+
+Generators = torch.Generator | list[torch.Generator] | None  # one for the batch, or one per row
 
 
 @dataclass
@@ -30,7 +37,7 @@ class Verifier:
     max_drafts: ClassVar[int | None] = None  # 1 for single-draft verifiers, None for any K
 
     def __call__(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                 generator: torch.Generator | None = None, state: Any = None) -> VerifierOutput:
+                 generator: Generators = None, state: Any = None) -> VerifierOutput:
         check_inputs(draft_tokens, draft_probs, target_probs)
         num_drafts = draft_tokens.shape[1]
         if self.max_drafts is not None and num_drafts > self.max_drafts:
@@ -79,16 +86,25 @@ def _check_distributions(name: str, probs: Tensor) -> None:
 
 # ---- steps shared by the verifiers -----------------------------------------------------------------------------
 
-def uniforms(shape, like: Tensor, generator) -> Tensor:
-    return torch.rand(shape, generator=generator, dtype=like.dtype, device=like.device)
+def uniforms(shape, like: Tensor, generator: Generators) -> Tensor:
+    """U[0, 1) draws of `shape` in like's dtype and device. With a list of generators, shape[0] must be its length
+    and slice b comes from generator b alone."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, dtype=like.dtype, device=like.device)
+    shape = tuple(shape)
+    if not shape or shape[0] != len(generator):
+        raise ValueError(f"a list of generators needs one per row (batch size B) or a single generator: "
+                         f"got {len(generator)} generators for draws of shape {shape}")
+    return torch.stack([torch.rand(shape[1:], generator=g, dtype=like.dtype, device=like.device) for g in generator])
 
 
-def sample(probs: Tensor, generator) -> Tensor:
+def sample(probs: Tensor, generator: Generators) -> Tensor:
     """One categorical draw per row of probs [..., V] (rows need not be normalised), by inverting the CDF:
-    torch.multinomial costs ~10 ms per row at V = 151,936 on a CPU, this a fraction of a millisecond."""
+    torch.multinomial costs ~10 ms per row at V = 151,936 on a CPU, this a fraction of a millisecond.
+    With a list of generators, probs[b] takes its prod(probs.shape[1:-1]) draws from generator b."""
     flat = probs.reshape(-1, probs.shape[-1]).double()
     cdf = flat.cumsum(-1)
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    u = uniforms(probs.shape[:-1], cdf, generator).reshape(-1, 1) * cdf[:, -1:]
     index = torch.searchsorted(cdf, u, right=True)  # first token whose cdf exceeds u: never a zero-mass token
     last_positive = flat.shape[-1] - 1 - (flat > 0).flip(-1).long().argmax(-1, keepdim=True)
     return torch.minimum(index, last_positive).reshape(probs.shape[:-1])  # u rounded up to the total
@@ -107,9 +123,9 @@ def token_probs(probs: Tensor, tokens: Tensor) -> Tensor:
 
 
 def last_success(h: Tensor, u: Tensor) -> Tensor:
-    """tau = max{i >= 1 : u_i <= h_i}, 0 if none; h, u [B, L] hold positions 1..L."""
+    """tau = max{i >= 1 : u_i < h_i} (strict, see above), 0 if none; h, u [B, L] hold positions 1..L."""
     positions = torch.arange(1, h.shape[-1] + 1, device=h.device)
-    return ((u <= h) * positions).amax(-1)
+    return ((u < h) * positions).amax(-1)
 
 
 def pick(x: Tensor, index: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ class TokenVerifier(Verifier):
 
     def verify(self, tokens, q, p, generator, state):
         x, q, p = tokens[:, 0], q[:, 0], p[:, 0]
-        accepted = uniforms(x.shape, q, generator) <= token_probs(p, x) / token_probs(q, x)
+        accepted = uniforms(x.shape, q, generator) < token_probs(p, x) / token_probs(q, x)
         tau = accepted.long().cumprod(-1).sum(-1)
         next_token = correction_or_bonus(p, q, tau, torch.ones_like(p[:, 0, 0]), generator)
         return VerifierOutput(tau, torch.zeros_like(tau), next_token)

@@ -79,7 +79,7 @@ def max_abs_diff(law_a, law_b):
 
 
 def tau_law(h):
-    """P(tau = i), i = 0..L, for tau = max{i >= 1 : U_i <= h_i} (0 if none), h = (h_1..h_L)."""
+    """P(tau = i), i = 0..L, for tau = max{i >= 1 : U_i < h_i} (0 if none), h = (h_1..h_L)."""
     probs, none_above = np.zeros(len(h) + 1), 1.0
     for i in range(len(h), 0, -1):
         probs[i] = none_above * h[i - 1]
@@ -103,7 +103,7 @@ def _emit(prob, prefix, dist, cont):
 # Single-draft block rules: token-level SD (section 2) and block verification (section 3)
 # ---------------------------------------------------------------------------------------------------------------
 def _token_h(p, q, x):
-    """Token SD stops at the first U_i > a_i; written in the backward form of tau_law:
+    """Token SD stops at the first U_i >= a_i; written in the backward form of tau_law:
     h_i = P(tau = i | tau <= i) = A_i (1 - a_{i+1}) / (1 - A_{i+1}), A_i = prod_{j<=i} a_j."""
     a = [min(1.0, p(x[:i])[x[i]] / q(x[:i])[x[i]]) for i in range(len(x))]
     reach = np.cumprod(a)  # reach[i-1] = A_i
@@ -462,9 +462,9 @@ def law_error(name, p, q, L, K, iterations=1, n=None):
 
 
 def block_acceptance(name, p, q, draft):
-    """h_1..h_L of a single draft for token, bv and gbv (K=1), in the form tau = max{i : U_i <= h_i}: the same
+    """h_1..h_L of a single draft for token, bv and gbv (K=1), in the form tau = max{i : U_i < h_i}: the same
     posteriors a batched kernel must compute on the same inputs. (Token SD's forward rule `stop at the first
-    U_i > min(1, p/q)` is rewritten in this backward form; its tau law is the same.)"""
+    U_i >= min(1, p/q)` is rewritten in this backward form; its tau law is the same.)"""
     x = tuple(draft)
     rules = {"token": _token_h, "bv": _bv_h, "gbv": lambda p, q, x: _greedy_h(_Measure(p), q, x)}
     if name not in rules:

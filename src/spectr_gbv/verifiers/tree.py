@@ -63,7 +63,7 @@ class SpecInferVerifier(TreeVerifier):
         for j in range(children.shape[1]):
             c = children[:, j:j + 1]
             undecided = alive[:, j] & (chosen < 0)
-            accept = undecided & (u[:, j] * q.gather(-1, c).squeeze(-1) <= current.gather(-1, c).squeeze(-1))
+            accept = undecided & (u[:, j] * q.gather(-1, c).squeeze(-1) < current.gather(-1, c).squeeze(-1))
             chosen = torch.where(accept, children[:, j], chosen)
             rejected = (undecided & ~accept)[:, None]
             current = torch.where(rejected, normalise((current - q).clamp_min(0), current), current)
@@ -94,7 +94,7 @@ class SpecTrVerifier(TreeVerifier):
         beta = capped.sum(-1)
         u = uniforms(children.shape, p, generator)
         ratio = p.gather(-1, children) / (rho[:, None] * q.gather(-1, children))
-        accepted = alive & (u <= ratio)
+        accepted = alive & (u < ratio)
         first = accepted.long().argmax(-1)
         scale = torch.where(beta > 0, (1 - (1 - beta) ** k) / beta.clamp_min(torch.finfo(p.dtype).tiny), 0.0)
         residual = normalise((p - capped * scale[:, None]).clamp_min(0), p)
