@@ -5,13 +5,16 @@ import collections
 
 import pytest
 import torch
+import transformers
 from scipy.stats import chisquare
 from transformers import DynamicCache
 
+from spectr_gbv.cache import COMMITTED
 from spectr_gbv.engine import SpeculativeEngine
 from spectr_gbv.models import tiny
 from spectr_gbv.sampling import Sampling, warp
 from spectr_gbv.verifiers import Verifier, VerifierOutput, build_verifier
+from spectr_gbv.verifiers.base import sample
 from spectr_gbv.verifiers.reference import LOSSLESS, SINGLE_DRAFT
 
 MAX_NEW = 16
@@ -79,7 +82,7 @@ def greedy_pair():
 
 
 def hf_greedy(loaded, prompt, max_new_tokens):
-    out = loaded.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
+    out = loaded.model.generate(torch.tensor([prompt], device=loaded.model.device), do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
 
 
@@ -96,6 +99,8 @@ def test_ar_is_transformers_greedy(greedy_pair, greedy_reference):
         record = engine.generate(prompt, MAX_NEW, torch.Generator().manual_seed(0))
         assert record.output_ids == expected
         assert record.target_calls == record.new_tokens
+    records = engine.generate_batch(prompts, MAX_NEW, generators(len(prompts)))
+    assert [record.output_ids for record in records] == greedy_reference
     assert len(greedy_reference[EOS_PROMPT]) == EOS_STEP + 1  # the engineered EOS is reached
     assert any(len(out) == MAX_NEW for out in greedy_reference)  # and another is cut at max_new_tokens
 
@@ -106,16 +111,19 @@ GREEDY_CASES = [(name, K, L) for name in sorted(LOSSLESS) for K in (1, 3) for L 
 
 @pytest.mark.parametrize("name, K, L", GREEDY_CASES)
 def test_lossless_verifiers_emit_the_greedy_path(greedy_pair, greedy_reference, name, K, L):
+    """All three prompts (lengths 11, 15 and 1) in one batch; one ends at EOS inside a block while the others go on."""
     target, drafter, prompts = greedy_pair
     sampling = Sampling(temperature=0.0, draft_temperature=1.0 if K > 1 else None)
     engine = SpeculativeEngine(target, drafter, name, num_drafts=K, block_length=L, sampling=sampling)
-    accepted = 0
-    for seed, (prompt, expected) in enumerate(zip(prompts, greedy_reference)):
-        record = engine.generate(prompt, MAX_NEW, torch.Generator().manual_seed(seed))
-        assert record.output_ids == expected
+    records = engine.generate_batch(prompts, MAX_NEW, generators(len(prompts)))
+    assert [record.output_ids for record in records] == greedy_reference
+    for record in records:
         check_record(record, K, L, MAX_NEW)
-        accepted += sum(record.accepted_lengths)
-    assert accepted > 0  # the perturbed drafter's tokens do get accepted
+    assert sum(sum(record.accepted_lengths) for record in records) > 0  # the perturbed drafter does get accepted
+
+
+def generators(n: int, seed: int = 0) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
 
 
 def test_a_block_is_cut_at_eos(greedy_pair, greedy_reference):
@@ -164,10 +172,12 @@ def exact_law(loaded, prompt, n, eos_ids):
     return law
 
 
-def chi_square_p_value(engine, law, samples, seed):
-    generator = torch.Generator().manual_seed(seed)
-    counts = collections.Counter(tuple(engine.generate(SMALL_PROMPT, FIRST, generator).output_ids)
-                                 for _ in range(samples))
+def chi_square_p_value(engine, law, samples, seed, batch_size):
+    """Decodes the prompt `samples` times, batch_size copies per generate_batch call, each with its own generator."""
+    counts = collections.Counter()
+    for start in range(0, samples, batch_size):
+        records = engine.generate_batch([SMALL_PROMPT] * batch_size, FIRST, generators(batch_size, seed + start))
+        counts.update(tuple(record.output_ids) for record in records)
     assert set(counts) <= set(law), "an impossible sequence was generated"
     # pool the rare cells so every expected count is >= 5 (chi-square approximation)
     cells = sorted(law, key=law.get)
@@ -187,13 +197,16 @@ class CorrectionFromTarget(Verifier):
     def verify(self, tokens, q, p, generator, state):
         out = build_verifier("token").verify(tokens, q, p, generator, state)
         rejected = out.num_accepted < tokens.shape[-1]
-        resampled = torch.multinomial(p[0, 0, out.num_accepted], 1, generator=generator)[:, 0]
+        resampled = sample(p[torch.arange(len(p)), 0, out.num_accepted], generator)
         return VerifierOutput(out.num_accepted, out.draft_index, torch.where(rejected, resampled, out.next_token))
 
 
-@pytest.mark.parametrize("name, K, L, lossless", [("token", 1, 2, True), ("gbv", 3, 2, True),
-                                                  ("correction_from_target", 1, 2, False)])
-def test_first_tokens_follow_the_target_law(small_pair, name, K, L, lossless):
+@pytest.mark.parametrize("name, K, L, lossless, batch_size", [
+    ("token", 1, 2, True, 1), ("gbv", 3, 2, True, 1), ("correction_from_target", 1, 2, False, 1),
+    ("token", 1, 2, True, 50), ("gbv", 3, 2, True, 50), ("correction_from_target", 1, 2, False, 50)])
+def test_first_tokens_follow_the_target_law(small_pair, name, K, L, lossless, batch_size):
+    """The exact law of the first 3 tokens, one prompt at a time and 50 copies per batch (rows that end at EOS
+    leave while the others go on)."""
     target, drafter = small_pair
     verifier = "token" if name == "correction_from_target" else name
     sampling = Sampling(temperature=1.0, draft_temperature=0.5)
@@ -202,46 +215,146 @@ def test_first_tokens_follow_the_target_law(small_pair, name, K, L, lossless):
         engine.verifier = CorrectionFromTarget()
     law = exact_law(target, SMALL_PROMPT, FIRST, engine.eos_ids)
     assert abs(sum(law.values()) - 1) < 1e-12
-    p_value = chi_square_p_value(engine, law, SAMPLES, seed=0)
+    p_value = chi_square_p_value(engine, law, SAMPLES, seed=0, batch_size=batch_size)
     assert (p_value > P_VALUE) == lossless, f"p-value {p_value:.2e}"
 
 
 # ---- KV caches -------------------------------------------------------------------------------------------------
 
-def test_caches_hold_exactly_the_committed_path(greedy_pair, monkeypatch):
-    """At the start of every iteration both caches equal a fresh prefill of the committed tokens they cover."""
+@pytest.mark.parametrize("K, L, batch", [(1, 4, [0]), (3, 4, [0]), (3, 4, [0, 1, 2]), (2, 3, [2, 0, 1])])
+def test_caches_hold_exactly_the_committed_path(greedy_pair, monkeypatch, K, L, batch):
+    """Before every draft and every target pass, each row's committed slots equal a fresh prefill of the committed
+    tokens that cache covers: the drafter's lacks the last one or two, the target's exactly the last one."""
     target, drafter, prompts = greedy_pair
-    engine = SpeculativeEngine(target, drafter, "gbv", num_drafts=3, block_length=4, sampling=Sampling(1.0))
+    engine = SpeculativeEngine(target, drafter, "gbv", num_drafts=K, block_length=L, sampling=Sampling(1.0))
     seen = {"draft": 0, "score": 0}
     draft, score = SpeculativeEngine._draft, SpeculativeEngine._score
 
-    def checked_draft(self, cache, ids, generator):
-        assert len(ids) - 2 <= cache.get_seq_length() <= len(ids) - 1  # at most the last two tokens pending
-        assert_fresh(drafter, cache, ids[:cache.get_seq_length()])
-        seen.update(draft=seen["draft"] + 1, ids=list(ids))
-        return draft(self, cache, ids, generator)
+    def checked_draft(self, cache, rows):
+        for row, ids in enumerate(rows.ids):
+            assert len(ids) - 2 <= int(cache.lengths[row]) <= len(ids) - 1
+            assert_fresh(drafter, cache, row, ids[:int(cache.lengths[row])])
+        seen["draft"] += 1
+        return draft(self, cache, rows)
 
-    def checked_score(self, cache, last_token, tokens):
-        assert_fresh(target, cache, seen["ids"][:-1])  # the target lacks exactly the last committed token
+    def checked_score(self, cache, rows, tokens):
+        for row, ids in enumerate(rows.ids):
+            assert_fresh(target, cache, row, ids[:-1])
         seen["score"] += 1
-        return score(self, cache, last_token, tokens)
+        return score(self, cache, rows, tokens)
 
     monkeypatch.setattr(SpeculativeEngine, "_draft", checked_draft)
     monkeypatch.setattr(SpeculativeEngine, "_score", checked_score)
-    record = engine.generate(prompts[0], 24, torch.Generator().manual_seed(0))
-    check_record(record, 3, 4, 24)
-    assert seen["draft"] == seen["score"] == record.target_calls > 3
-    assert len(set(record.accepted_lengths)) > 1 and len(set(record.draft_indices)) > 1  # varied paths
+    records = engine.generate_batch([prompts[i] for i in batch], 24, generators(len(batch)))
+    for record in records:
+        check_record(record, K, L, 24)
+    assert seen["draft"] == seen["score"] == max(record.target_calls for record in records) > 3
+    accepted = [n for record in records for n in record.accepted_lengths]
+    assert len(set(accepted)) > 1  # varied paths
+    if K > 1:
+        assert len({k for record in records for k in record.draft_indices}) > 1
 
 
-def assert_fresh(loaded, cache, ids):
+def assert_fresh(loaded, cache, row, ids):
+    """Row `row` of a SlotCache, its committed slots in position order, against a fresh one-row prefill."""
+    committed = (cache.label[row] == COMMITTED).nonzero()[:, 0]
+    order = committed[cache.position[row, committed].argsort()]
+    assert cache.position[row, order].tolist() == list(range(len(ids)))
+    if not ids:
+        return
     fresh = DynamicCache(config=loaded.model.config)
     with torch.no_grad():
         loaded.model(torch.tensor([ids]), cache=fresh, use_cache=True)
-    for layer, fresh_layer in zip(cache.layers, fresh.layers):
-        assert layer.keys.shape == fresh_layer.keys.shape
-        assert torch.allclose(layer.keys, fresh_layer.keys, atol=1e-10)
-        assert torch.allclose(layer.values, fresh_layer.values, atol=1e-10)
+    for layer, fresh_layer in zip(cache.cache.layers, fresh.layers):
+        for kept, expected in ((layer.keys, fresh_layer.keys), (layer.values, fresh_layer.values)):
+            assert torch.allclose(kept[row][:, order], expected[0], atol=1e-10, rtol=0)
+
+
+# ---- batch invariance, attention implementations, devices ----------------------------------------------------
+
+INVARIANCE_CASES = [("ar", 1, 1, 0.0), ("ar", 1, 1, 1.0), ("token", 1, 4, 0.0), ("gbv", 3, 4, 0.0),
+                    ("gbv", 3, 4, 1.0), ("spectr", 2, 3, 1.0), ("multipath", 3, 2, 1.0), ("spectr_gbv_paper", 3, 4, 1.0)]
+
+
+def decode_in_batches(engine, prompts, batch_size, max_new_tokens=MAX_NEW):
+    """Every prompt with generator seeded i (its index), batch_size prompts per generate_batch call."""
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        out += [record.output_ids for record in engine.generate_batch(
+            chunk, max_new_tokens, generators(len(chunk), seed=start))]
+    return out
+
+
+@pytest.mark.parametrize("name, K, L, temperature", INVARIANCE_CASES)
+def test_outputs_do_not_depend_on_the_batch(greedy_pair, name, K, L, temperature):
+    """A prompt's tokens are the same alone, in a batch of 4, and beside other prompts (float64)."""
+    target, drafter, prompts = greedy_pair
+    sampling = Sampling(temperature, draft_temperature=1.0 if K > 1 else None)
+    engine = SpeculativeEngine(target, None if name == "ar" else drafter, name, K, L, sampling)
+    prompts = prompts + [prompts[0][:4], prompts[1][3:]]
+    alone = decode_in_batches(engine, prompts, 1)
+    assert decode_in_batches(engine, prompts, 4) == alone
+    assert decode_in_batches(engine, prompts, len(prompts)) == alone
+    assert len({tuple(ids) for ids in alone}) > 1
+
+
+def with_attention(loaded, implementation):
+    loaded.model.set_attn_implementation(implementation)
+    return loaded
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_tree_masks_mean_the_same_under_eager_and_sdpa(architecture):
+    """The 4D additive mask (tree nodes, holes, padding) gives the same logits under both attention kernels, and
+    the same outputs; Qwen2 is the real pair's architecture."""
+    make = tiny if architecture == "llama" else tiny_qwen2
+    outputs = {}
+    for implementation in ("eager", "sdpa"):
+        target = with_attention(make(seed=0, dtype="float64"), implementation)
+        drafter = with_attention(make(seed=0, perturb=0.2, dtype="float64"), implementation)
+        prompts = [target.tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS]
+        engine = SpeculativeEngine(target, drafter, "gbv", 3, 4, Sampling(1.0))
+        outputs[implementation] = decode_in_batches(engine, prompts, len(prompts))
+    assert outputs["eager"] == outputs["sdpa"]
+
+
+def tiny_qwen2(seed=0, perturb=0.0, dtype="float64"):
+    """tiny() with Qwen2's architecture (q/k/v biases, its own attention module), same tokenizer and scale."""
+    llama = tiny(seed=seed, perturb=perturb, dtype=dtype)
+    config = transformers.Qwen2Config(**{key: getattr(llama.model.config, key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "eos_token_id")})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(config).to(llama.model.dtype)
+    model.load_state_dict(llama.model.state_dict(), strict=False)  # Qwen2's q/k/v biases keep their random init
+    model.generation_config = llama.model.generation_config
+    return type(llama)(model=model.eval(), tokenizer=llama.tokenizer, name=f"qwen2 {llama.name}")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("name, K, L", [("token", 1, 4), ("gbv", 3, 4), ("spectr", 3, 2)])
+def test_greedy_identity_and_batch_invariance_on_cuda(name, K, L):
+    """float32 on cuda, every mask, position and generator on the device: greedy outputs equal transformers'
+    generate() there, and sampled outputs do not depend on the batch."""
+    target, drafter = tiny(seed=0, device="cuda"), tiny(seed=0, perturb=0.2, device="cuda")
+    prompts = [target.tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS]
+    greedy = SpeculativeEngine(target, drafter, name, K, L, Sampling(0.0, draft_temperature=1.0 if K > 1 else None))
+    records = greedy.generate_batch(prompts, MAX_NEW, cuda_generators(len(prompts)))
+    assert [record.output_ids for record in records] == [hf_greedy(target, prompt, MAX_NEW) for prompt in prompts]
+    sampled = SpeculativeEngine(target, drafter, name, K, L, Sampling(1.0))
+    alone = [sampled.generate(prompt, MAX_NEW, cuda_generators(i + 1)[i]).output_ids for i, prompt in enumerate(prompts)]
+    together = sampled.generate_batch(prompts, MAX_NEW, cuda_generators(len(prompts)))
+    assert [record.output_ids for record in together] == alone
+
+
+def cuda_generators(n):
+    return [torch.Generator(device="cuda").manual_seed(i) for i in range(n)]
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------

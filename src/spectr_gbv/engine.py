@@ -1,21 +1,28 @@
-"""The decoding loop: a drafter proposes K i.i.d. blocks of L tokens, the target scores them in one pass, a
-verifier keeps a prefix of one block plus one token, and both KV caches keep exactly the committed path.
+"""The decoding loop over a batch of prompts: a drafter proposes K i.i.d. blocks of L tokens per prompt, the target
+scores every prompt's draft trie in one pass, a verifier keeps a prefix of one block plus one token per prompt, and
+both KV caches keep exactly the committed paths.
 
-Plain Python objects, one sequence at a time (the K drafts are the batch):
+Plain Python objects, no Hydra or Lightning:
 
     engine = SpeculativeEngine(target, drafter, "gbv", num_drafts=3, block_length=4, sampling=Sampling(1.0))
+    records = engine.generate_batch(prompts, max_new_tokens=64, generators=[torch.Generator().manual_seed(s) ...])
     record = engine.generate(prompt_ids, max_new_tokens=64, generator=torch.Generator().manual_seed(0))
 
-Verifier "ar" is plain autoregressive decoding of the target with the same sampling: the speedup baseline.
+Each prompt draws all its randomness (drafts, verifier, `ar`) from its own generator, so its tokens do not depend on
+which prompts share its batch. Verifier "ar" is plain autoregressive decoding of the target with the same sampling:
+the speedup baseline.
 """
+import dataclasses
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
+from spectr_gbv.cache import COMMITTED, SlotCache
+from spectr_gbv.draft_tree import node_labels, nodes_at, on_path, representatives
 from spectr_gbv.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.sampling import Sampling, warp
 from spectr_gbv.verifiers import build_verifier
@@ -26,14 +33,15 @@ from spectr_gbv.verifiers.base import sample
 class DecodeRecord:
     """One sequence. Every iteration emits accepted_lengths[i] + 1 tokens except the last, which may be cut at EOS
     or max_new_tokens: sum(accepted_lengths) + target_calls >= new_tokens, equal unless the last block was cut
-    (`ar` records no accepted lengths and one target call per token)."""
+    (`ar` records no accepted lengths and one target call per token). Times are seconds (time.perf_counter); a
+    pass over B rows charges each row 1/B of it, so the times of a batch's records add up to its wall time."""
 
     output_ids: list[int] = field(default_factory=list)  # new tokens only, EOS included when reached
     new_tokens: int = 0
     target_calls: int = 0  # target passes that emit tokens: one per iteration (ar: per token, prefill included)
     accepted_lengths: list[int] = field(default_factory=list)  # per iteration, as the verifier decided
     draft_indices: list[int] = field(default_factory=list)  # per iteration, the winning draft
-    draft_time: float = 0.0  # seconds, time.perf_counter
+    draft_time: float = 0.0
     target_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
@@ -41,6 +49,62 @@ class DecodeRecord:
     @property
     def block_efficiency(self) -> float:
         return self.new_tokens / self.target_calls
+
+
+class Rows:
+    """The prompts of a batch that are still decoding, in the order of the models' batch rows: their committed
+    ids and generators, and every prompt's record."""
+
+    def __init__(self, prompts: list[list[int]], generators: list[torch.Generator], max_new_tokens: int,
+                 eos_ids: set[int], on_finish: Callable[[int, DecodeRecord], None] | None):
+        self.ids = [list(prompt) for prompt in prompts]
+        self.generators = list(generators)
+        self.records = [DecodeRecord() for _ in prompts]
+        self.active = list(range(len(prompts)))  # the prompt index of each row
+        self.max_new_tokens, self.eos_ids, self.on_finish = max_new_tokens, eos_ids, on_finish
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def charge(self, key: str, seconds: float) -> None:
+        for index in self.active:
+            record = self.records[index]
+            setattr(record, key, getattr(record, key) + seconds / len(self.active))
+
+    def count_iteration(self, accepted: list[int] | None = None, drafts: list[int] | None = None) -> None:
+        for row, index in enumerate(self.active):
+            record = self.records[index]
+            record.target_calls += 1
+            if accepted is not None:
+                record.accepted_lengths.append(accepted[row])
+                record.draft_indices.append(drafts[row])
+
+    def emit(self, tokens: list[list[int]]) -> Tensor | None:
+        """Append each row's new tokens up to the first EOS and up to max_new_tokens; finished rows leave. Returns
+        the rows that go on (for the caches and the verifier state), None when every row does."""
+        going = []
+        for row, (index, new) in enumerate(zip(self.active, tokens)):
+            if self._extend(self.records[index], new):
+                self.records[index].new_tokens = len(self.records[index].output_ids)
+                if self.on_finish is not None:
+                    self.on_finish(index, self.records[index])
+            else:
+                self.ids[row] += new
+                going.append(row)
+        if len(going) == len(self.active):
+            return None
+        self.active = [self.active[row] for row in going]
+        self.ids = [self.ids[row] for row in going]
+        self.generators = [self.generators[row] for row in going]
+        return torch.tensor(going, dtype=torch.long)
+
+    def _extend(self, record: DecodeRecord, tokens: list[int]) -> bool:
+        """True when the sequence is finished."""
+        for token in tokens:
+            record.output_ids.append(token)
+            if token in self.eos_ids or len(record.output_ids) == self.max_new_tokens:
+                return True
+        return False
 
 
 class SpeculativeEngine:
@@ -61,120 +125,141 @@ class SpeculativeEngine:
         self.num_drafts, self.block_length = num_drafts, block_length
         self.eos_ids = eos_ids(target)
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator) -> DecodeRecord:
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt_ids is empty: the prompt needs at least one token")
+        return self.generate_batch([prompt_ids], max_new_tokens, [generator])[0]
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, generators: list[torch.Generator],
+                       on_finish: Callable[[int, DecodeRecord], None] | None = None) -> list[DecodeRecord]:
+        """Decode the prompts together, prompt i with generators[i]; on_finish(i, record) is called as soon as
+        prompt i is done (records are final then)."""
+        if not prompts or any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+        if len(generators) != len(prompts):
+            raise ValueError(f"got {len(generators)} generators for {len(prompts)} prompts: give one per prompt")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} is not allowed: must be >= 1")
-        start = time.perf_counter()
-        record = DecodeRecord()
-        decode = self._autoregressive if self.verifier is None else self._speculative
-        decode(list(prompt_ids), max_new_tokens, generator, record)
-        record.new_tokens = len(record.output_ids)
-        record.total_time = time.perf_counter() - start
-        return record
+        rows = Rows(prompts, generators, max_new_tokens, self.eos_ids, on_finish)
+        if self.verifier is None:
+            self._autoregressive(rows)
+        else:
+            self._speculative(rows)
+        return rows.records
 
-    def _autoregressive(self, ids, max_new_tokens, generator, record):
-        cache = DynamicCache(config=self.target.model.config)
-        pending = ids  # tokens the target has not seen yet: the prompt, then each sampled token
-        while True:
+    def _autoregressive(self, rows: Rows) -> None:
+        cache = SlotCache(self.target, len(rows))
+        pending = rows.ids  # tokens the target has not seen yet: the prompts, then each sampled token
+        while rows:
             tick = time.perf_counter()
-            logits = self._forward(self.target, cache, torch.tensor([pending]), logits_to_keep=1)[0, -1]
-            token = sample(self._target_warp(logits), generator).item()
-            record.target_time += time.perf_counter() - tick
-            record.target_calls += 1
-            if self._emit(record, [token], max_new_tokens):
+            tokens = sample(self._target_warp(cache.append(pending)), rows.generators).tolist()
+            rows.charge("target_time", time.perf_counter() - tick)
+            rows.charge("total_time", time.perf_counter() - tick)
+            rows.count_iteration()
+            going = rows.emit([[token] for token in tokens])
+            if not rows:
                 return
-            pending = [token]
+            if going is not None:
+                cache.select_rows(going.to(cache.lengths.device))
+            cache.compact()
+            pending = [ids[-1:] for ids in rows.ids]
 
-    def _speculative(self, ids, max_new_tokens, generator, record):
-        # Invariant between iterations: `ids` = prompt + emitted tokens; each cache holds a prefix of `ids` with
-        # one batch row, and the tokens past it are fed at the next forward. The target's cache always lacks
-        # exactly the last token of `ids`: feeding it with the drafts makes the pass return p at the block start.
-        target_cache = DynamicCache(config=self.target.model.config)
-        draft_cache = DynamicCache(config=self.drafter.model.config)
-        if len(ids) > 1:  # prefill, timed as each model's share
-            tick = time.perf_counter()
-            self._forward(self.target, target_cache, torch.tensor([ids[:-1]]), logits_to_keep=1)
-            tock = time.perf_counter()
-            self._forward(self.drafter, draft_cache, torch.tensor([ids[:-1]]), logits_to_keep=1)
-            record.target_time += tock - tick
-            record.draft_time += time.perf_counter() - tock
+    def _speculative(self, rows: Rows) -> None:
+        # Invariant between iterations: each cache holds a prefix of every row's committed ids, and the tokens past
+        # it are fed at the next pass. The target's lacks exactly the last one: feeding it as the root of the draft
+        # trie makes the pass return p at the block start. The drafter's lacks the last one or two (it never feeds
+        # the last token it drafts).
+        target, drafter = SlotCache(self.target, len(rows)), SlotCache(self.drafter, len(rows))
+        tick = time.perf_counter()
+        target.append([ids[:-1] for ids in rows.ids])
+        tock = time.perf_counter()
+        drafter.append([ids[:-1] for ids in rows.ids])
+        rows.charge("target_time", tock - tick)
+        rows.charge("draft_time", time.perf_counter() - tock)
+        rows.charge("total_time", time.perf_counter() - tick)
         state = None
-        while True:
+        while rows:
             tick = time.perf_counter()
-            tokens, q = self._draft(draft_cache, ids, generator)
+            target_start, drafter_start = target.size, drafter.size
+            tokens, q = self._draft(drafter, rows)
             tock = time.perf_counter()
-            p = self._score(target_cache, ids[-1], tokens)
+            p, first = self._score(target, rows, tokens)
             tack = time.perf_counter()
             dtype = torch.promote_types(p.dtype, q.dtype)
-            out = self.verifier(tokens[None], q[None].to(dtype), p[None].to(dtype), generator=generator, state=state)
-            accepted, row, token = out.num_accepted.item(), out.draft_index.item(), out.next_token.item()
-            record.draft_time += tock - tick
-            record.target_time += tack - tock
-            record.verify_time += time.perf_counter() - tack
-            record.target_calls += 1
-            record.accepted_lengths.append(accepted)
-            record.draft_indices.append(row)
+            out = self.verifier(tokens, q.to(dtype), p.to(dtype), generator=rows.generators, state=state)
+            accepted, winner = out.num_accepted.to(tokens.device), out.draft_index.to(tokens.device)
+            emitted = [path[:n] + [token] for path, n, token in zip(
+                tokens[torch.arange(len(rows)), winner].tolist(), accepted.tolist(), out.next_token.tolist())]
+            rows.charge("verify_time", time.perf_counter() - tack)
+            rows.charge("draft_time", tock - tick)
+            rows.charge("target_time", tack - tock)
+            # Keep the winning path: the target has seen the root and every node, the drafter the pending tokens
+            # and the nodes above the last depth. The new token (and, after a full acceptance, the last draft token
+            # for the drafter) is fed next time.
+            target.keep(target_start, on_path(target.label[:, target_start:], first, winner, accepted))
+            drafter.keep(drafter_start, on_path(drafter.label[:, drafter_start:], first, winner,
+                                                accepted.clamp(max=self.block_length - 1)))
+            rows.charge("total_time", time.perf_counter() - tick)
+            rows.count_iteration(accepted.tolist(), winner.tolist())
             state = out.state
-            # The target has seen ids + all L drafted tokens of every row; the drafter ids + the first L-1 (it
-            # never feeds the last token it samples). Keep the winning row, cut back to what is committed.
-            # The new token (and, after a full acceptance, the last draft token for the drafter) is fed next time.
-            keep_committed_path(target_cache, row, len(ids) + accepted, self.num_drafts)
-            keep_committed_path(draft_cache, row, len(ids) + min(accepted, self.block_length - 1), self.num_drafts)
-            emitted = tokens[row, :accepted].tolist() + [token]
-            ids += emitted
-            if self._emit(record, emitted, max_new_tokens):
+            going = rows.emit(emitted)
+            if not rows:
                 return
+            if going is not None:
+                target.select_rows(going.to(target.lengths.device))
+                drafter.select_rows(going.to(drafter.lengths.device))
+                state = select_state_rows(state, going.to(tokens.device))
+            target.compact()
+            drafter.compact()
 
-    def _draft(self, cache, ids, generator) -> tuple[Tensor, Tensor]:
-        """K i.i.d. blocks of L tokens [K, L] and the warped q each token was sampled from [K, L, V]."""
-        pending = torch.tensor([ids[cache.get_seq_length():]])  # the 1 or 2 committed tokens not yet seen
-        tokens, probs = [], []
-        for step in range(self.block_length):
-            logits = self._forward(self.drafter, cache, pending, logits_to_keep=1)[:, -1]
-            q = warp(logits, self.sampling.drafter_temperature, self.sampling.top_k, self.sampling.top_p)
-            if step == 0 and self.num_drafts > 1:
-                # The first token's law depends on committed tokens only: one row gives it to all K drafts, which
-                # part ways from here on, each row with its own copy of the committed prefix's cache.
-                q = q.expand(self.num_drafts, -1)
-                cache.batch_repeat_interleave(self.num_drafts)
-            pending = sample(q, generator)[:, None]
-            tokens.append(pending)
+    def _draft(self, cache: SlotCache, rows: Rows) -> tuple[Tensor, Tensor]:
+        """K i.i.d. blocks of L tokens per row [B, K, L] and the warped q each token was sampled from [B, K, L, V].
+        The first token's law depends on committed tokens only: one query per row gives it to all K drafts; from
+        then on each step feeds the distinct nodes of the depth drafted last."""
+        B, K, L = len(rows), self.num_drafts, self.block_length
+        pending = [ids[n:] for ids, n in zip(rows.ids, cache.lengths.tolist())]
+        q = self._draft_warp(cache.append(pending))[:, None].expand(B, K, -1)
+        drafted, probs = [sample(q, rows.generators)], [q]
+        batch = torch.arange(B, device=q.device)[:, None]
+        for depth in range(1, L):
+            tokens = torch.stack(drafted, -1)
+            first = representatives(tokens, L)
+            draft, node_depth, real, slot = nodes_at(first, range(depth - 1, depth))
+            position = cache.lengths[:, None] + node_depth  # the committed length is the first draft position
+            logits = cache.forward(tokens[batch, draft, node_depth], node_labels(draft, node_depth, real, L),
+                                   position, first)
+            q = self._draft_warp(logits)[batch, slot[..., 0]]
+            drafted.append(sample(q, rows.generators))
             probs.append(q)
-        return torch.cat(tokens, 1), torch.stack(probs, 1)
+        return torch.stack(drafted, -1), torch.stack(probs, 2)
 
-    def _score(self, cache, last_token: int, tokens: Tensor) -> Tensor:
-        """Warped target p [K, L+1, V] at every prefix of every draft (the last is the bonus distribution)."""
-        inputs = torch.cat([torch.full_like(tokens[:, :1], last_token), tokens], 1)
-        if self.num_drafts > 1:
-            cache.batch_repeat_interleave(self.num_drafts)
-        return self._target_warp(self._forward(self.target, cache, inputs))
+    def _score(self, cache: SlotCache, rows: Rows, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Warped target p [B, K, L+1, V] at every prefix of every draft (the last is the bonus distribution), from
+        one pass over each row's root (its last committed token) and the distinct nodes of its trie; and the trie's
+        `first` [B, K, L]."""
+        B, K, L = tokens.shape
+        first = representatives(tokens, L)
+        draft, depth, real, slot = nodes_at(first, range(L))
+        batch = torch.arange(B, device=tokens.device)[:, None]
+        roots = torch.tensor([ids[-1:] for ids in rows.ids], device=tokens.device)
+        inputs = torch.cat([roots, tokens[batch, draft, depth]], 1)
+        label = torch.cat([torch.full_like(roots, COMMITTED), node_labels(draft, depth, real, L)], 1)
+        position = cache.lengths[:, None] + torch.cat([torch.zeros_like(roots), 1 + depth], 1)
+        probs = self._target_warp(cache.forward(inputs, label, position, first))  # [B, 1 + nodes, V]
+        slots = torch.cat([torch.zeros_like(slot[..., :1]), 1 + slot], -1)  # the root, then k's node at each depth
+        return probs[batch[..., None], slots], first
 
     def _target_warp(self, logits: Tensor) -> Tensor:
         return warp(logits, self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
 
-    @staticmethod
-    def _forward(loaded: LoadedModel, cache: DynamicCache, input_ids: Tensor, logits_to_keep: int = 0) -> Tensor:
-        device = loaded.model.device
-        return loaded.model(input_ids=input_ids.to(device), cache=cache, use_cache=True,
-                            logits_to_keep=logits_to_keep).logits
-
-    def _emit(self, record: DecodeRecord, tokens: list[int], max_new_tokens: int) -> bool:
-        """Append tokens up to the first EOS and up to max_new_tokens; True when the sequence is finished."""
-        for token in tokens:
-            record.output_ids.append(token)
-            if token in self.eos_ids or len(record.output_ids) == max_new_tokens:
-                return True
-        return False
+    def _draft_warp(self, logits: Tensor) -> Tensor:
+        return warp(logits, self.sampling.drafter_temperature, self.sampling.top_k, self.sampling.top_p)
 
 
-def keep_committed_path(cache: DynamicCache, row: int, length: int, rows: int) -> None:
-    """Cut the cache to its first `length` positions and keep batch row `row` (of `rows`)."""
-    cache.crop(length - cache.get_seq_length())  # crop takes minus the number of positions to drop
-    if rows > 1:
-        cache.batch_select_indices(torch.tensor([row]))
+def select_state_rows(state, rows: Tensor):
+    """A verifier's state (a dataclass of per-row tensors, or None) for the rows that go on."""
+    if state is None:
+        return None
+    return dataclasses.replace(state, **{f.name: getattr(state, f.name)[rows] for f in dataclasses.fields(state)})
 
 
 def eos_ids(loaded: LoadedModel) -> set[int]:
