@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from spectr_gbv.config import ConfigError, error_line, print_config_tree, validate
 
 KNOBS = ("num_drafts", "block_length", "temperature", "draft_temperature", "top_k", "top_p", "max_new_tokens",
-         "limit", "seed", "baseline")
+         "batch_size", "limit", "seed", "baseline")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -54,7 +54,7 @@ def evaluate(cfg: DictConfig) -> float:
         num_drafts=cfg.num_drafts, block_length=cfg.block_length, sampling=sampling,
         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, baseline=cfg.baseline, output_dir=cfg.output_dir,
         knobs=knobs)
-    datamodule = PromptDataModule(cfg.dataset, limit=cfg.limit)
+    datamodule = PromptDataModule(cfg.dataset, limit=cfg.limit, batch_size=cfg.batch_size)
     logger = instantiate(cfg.logger) if cfg.logger else False
     trainer = instantiate(cfg.trainer, logger=logger)
     if (HydraConfig.get().mode == RunMode.MULTIRUN and trainer.num_devices > 1

@@ -45,12 +45,14 @@ def test_template_fields_must_exist():
         load_prompts("mine", "{question}", texts=["fine"])
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_shards_cover_every_prompt_once(make_cfg, world_size):
+@pytest.mark.parametrize("world_size, batch_size", [(1, 1), (2, 1), (3, 1), (1, 4), (2, 2)])
+def test_shards_cover_every_prompt_once(make_cfg, world_size, batch_size):
     seen = []
     for rank in range(world_size):
-        data = PromptDataModule(make_cfg("dataset=tiny").dataset, limit=5)
+        data = PromptDataModule(make_cfg("dataset=tiny").dataset, limit=5, batch_size=batch_size)
         data.trainer = SimpleNamespace(world_size=world_size, global_rank=rank)
         data.setup("test")
-        seen += [(batch["dataset"], batch["prompt_id"]) for batch in data.test_dataloader()]
+        batches = list(data.test_dataloader())
+        assert all(1 <= len(batch) <= batch_size for batch in batches)
+        seen += [(record["dataset"], record["prompt_id"]) for batch in batches for record in batch]
     assert sorted(seen) == [("tiny", index) for index in range(5)]  # no padding duplicates, none missing

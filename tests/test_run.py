@@ -74,6 +74,24 @@ def test_ddp_on_cpu_equals_one_process(single, tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_outputs_depend_neither_on_the_batch_size_nor_the_processes(temperature, tmp_path):
+    """In float64 a prompt's tokens are the same at batch_size 1 and 4, and over two DDP processes on gloo."""
+    job = [f"temperature={temperature}", "draft_temperature=1", "num_drafts=3", "block_length=3", "limit=6",
+           "model.dtype=float64", "drafter.dtype=float64"]
+    ways = {"one at a time": ["batch_size=1"], "four together": ["batch_size=4"],
+            "four together on two processes": ["batch_size=4", "trainer=ddp_cpu", "trainer.devices=2"]}
+    outputs = {}
+    for way, extra in ways.items():
+        folder = tmp_path / way.replace(" ", "_")
+        done = run_py(*job, *extra, f"hydra.run.dir={folder}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[way] = {key: record["output_ids"] for key, record in records(folder).items()}
+    assert len(outputs["one at a time"]) == 6
+    for way in ways:
+        assert outputs[way] == outputs["one at a time"], way
+
+
 def test_multirun_with_wandb_offline(tmp_path):
     sweep = tmp_path / "my-sweep"
     done = run_py("-m", "limit=2", "verifier=gbv,token", "num_drafts=1", "block_length=2,4", "logger=wandb",
@@ -92,8 +110,9 @@ def test_multirun_with_wandb_offline(tmp_path):
         assert list(run.parent.glob("files/media/table/predictions_*.table.json"))
 
 
-def test_killed_job_keeps_its_records_and_resumes(tmp_path):
-    job = ["limit=6", "max_new_tokens=32", f"hydra.run.dir={tmp_path}"]
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_killed_job_keeps_its_records_and_resumes(batch_size, tmp_path):
+    job = ["limit=6", "max_new_tokens=32", f"batch_size={batch_size}", f"hydra.run.dir={tmp_path}"]
     process = run_py(*job, background=True)
     predictions = tmp_path / "predictions.jsonl"
     while process.poll() is None and not (predictions.exists() and predictions.read_text().count("\n") >= 2):

@@ -41,6 +41,7 @@ class Config:
     top_k: int = MISSING
     top_p: float = MISSING
     max_new_tokens: int = MISSING
+    batch_size: int = MISSING  # prompts decoded together (outputs do not depend on it)
     limit: Optional[int] = MISSING  # prompts per dataset, None: all
     seed: int = MISSING
     baseline: bool = MISSING  # also decode every prompt with `ar` and report the speedup
@@ -68,6 +69,7 @@ def validate(cfg: DictConfig) -> None:
         ("top_k", cfg.top_k >= 0, "must be >= 0 (0 = off)"),
         ("top_p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
         ("max_new_tokens", cfg.max_new_tokens >= 1, "must be >= 1"),
+        ("batch_size", cfg.batch_size >= 1, "must be >= 1"),
         ("limit", cfg.limit is None or cfg.limit >= 1, "must be >= 1, or null for every prompt"),
     ]
     for key, ok, allowed in checks:

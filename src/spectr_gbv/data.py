@@ -60,10 +60,10 @@ class PromptDataModule(LightningDataModule):
     (the one its predict loop uses), so each prompt is decoded exactly once and ranks differ by at most one step.
     """
 
-    def __init__(self, datasets: Mapping, limit: int | None):
+    def __init__(self, datasets: Mapping, limit: int | None, batch_size: int = 1):
         super().__init__()
         self.dataset_configs = datasets
-        self.limit = limit
+        self.limit, self.batch_size = limit, batch_size
         self.names = list(datasets)
         self.records: list[dict] = []
 
@@ -77,4 +77,5 @@ class PromptDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         sampler = UnrepeatedDistributedSampler(self.records, num_replicas=self.trainer.world_size,
                                                rank=self.trainer.global_rank, shuffle=False)
-        return DataLoader(self.records, batch_size=None, sampler=sampler)  # a batch is one prompt record
+        # a batch is a list of prompt records, decoded together by the engine
+        return DataLoader(self.records, batch_size=self.batch_size, sampler=sampler, collate_fn=list)

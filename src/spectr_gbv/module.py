@@ -68,23 +68,32 @@ class SpeculativeEvaluation(LightningModule):
         self.counts = torch.zeros(len(self.names), len(COUNTERS), dtype=torch.float64, device=self.device)
         self.histogram = torch.zeros(len(self.names), self.block_length + 1, dtype=torch.float64, device=self.device)
 
-    # ---- the loop: decode (or reuse) one prompt, record it, count it ----------------------------------------
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        record = self.recorded.get((batch["dataset"], batch["prompt_id"]))
-        if record is None:
-            record = self.decode(batch)
-            os.write(self.predictions, (json.dumps(record) + "\n").encode())  # one write: a kill cannot split it
-        self.count(record)
+    # ---- the loop: decode the batch's prompts not recorded yet together, record each as it ends, count all -----
+    def test_step(self, batch: list[dict], batch_idx: int) -> None:
+        todo = [prompt for prompt in batch if (prompt["dataset"], prompt["prompt_id"]) not in self.recorded]
+        if todo:
+            self.decode(todo)
+        for prompt in batch:
+            self.count(self.recorded[(prompt["dataset"], prompt["prompt_id"])])
 
-    def decode(self, batch: dict) -> dict:
-        prompt_ids = self.prompt_ids(batch["prompt"])
-        out = self.engine.generate(prompt_ids, self.max_new_tokens, self.generator(batch))
-        record = {**batch, "output": self.target.tokenizer.decode(out.output_ids, skip_special_tokens=True),
-                  **decode_record_fields(out)}
-        if self.ar_engine is not None:  # same prompt, same seed: the speedup compares like with like
-            ar = self.ar_engine.generate(prompt_ids, self.max_new_tokens, self.generator(batch))
-            record["baseline"] = {"new_tokens": ar.new_tokens, "total_time": ar.total_time}
-        return record
+    def decode(self, prompts: list[dict]) -> None:
+        """Decode the prompts as one batch; each record is appended to the predictions file as its prompt ends."""
+        prompt_ids = [self.prompt_ids(prompt["prompt"]) for prompt in prompts]
+        baseline = None
+        if self.ar_engine is not None:  # same prompts, same seeds, same batch: the speedup compares like with like
+            baseline = self.ar_engine.generate_batch(prompt_ids, self.max_new_tokens, self.generators(prompts))
+
+        def write(index: int, out: DecodeRecord) -> None:
+            prompt = prompts[index]
+            record = {**prompt, "output": self.target.tokenizer.decode(out.output_ids, skip_special_tokens=True),
+                      **decode_record_fields(out)}
+            if baseline is not None:
+                record["baseline"] = {"new_tokens": baseline[index].new_tokens,
+                                      "total_time": baseline[index].total_time}
+            os.write(self.predictions, (json.dumps(record) + "\n").encode())  # one write: a kill cannot split it
+            self.recorded[(prompt["dataset"], prompt["prompt_id"])] = record
+
+        self.engine.generate_batch(prompt_ids, self.max_new_tokens, self.generators(prompts), on_finish=write)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """Token ids of the prompt, through the target's chat template when it has one (tiny models: plain)."""
@@ -94,10 +103,11 @@ class SpeculativeEvaluation(LightningModule):
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False)
 
-    def generator(self, batch: dict) -> torch.Generator:
-        """A generator seeded by (seed, dataset, prompt): outputs do not depend on how prompts are sharded."""
-        key = f"{self.seed}/{batch['dataset']}/{batch['prompt_id']}".encode()
-        return torch.Generator(device=self.target.model.device).manual_seed(zlib.crc32(key))
+    def generators(self, prompts: list[dict]) -> list[torch.Generator]:
+        """One generator per prompt, seeded by (seed, dataset, prompt id): outputs depend neither on how prompts
+        are sharded over ranks nor on which prompts share a batch."""
+        keys = [f"{self.seed}/{prompt['dataset']}/{prompt['prompt_id']}".encode() for prompt in prompts]
+        return [torch.Generator(device=self.target.model.device).manual_seed(zlib.crc32(key)) for key in keys]
 
     def count(self, record: dict) -> None:
         row = self.names.index(record["dataset"])
