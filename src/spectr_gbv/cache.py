@@ -27,6 +27,11 @@ class SlotCache:
     def __init__(self, loaded: LoadedModel, batch_size: int):
         self.model = loaded.model
         self.cache = DynamicCache(config=loaded.model.config)
+        sliding = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
+        if sliding:  # a sliding window drops slots behind the labels' back
+            raise ValueError(f"model {loaded.name!r} has {', '.join(sorted(sliding))} layers (sliding-window "
+                             "attention), which the engine's slot cache does not support; use a model with full "
+                             "attention in every layer")
         device = self.model.device
         self.label = torch.empty(batch_size, 0, dtype=torch.long, device=device)
         self.position = torch.empty(batch_size, 0, dtype=torch.long, device=device)
@@ -44,7 +49,6 @@ class SlotCache:
         mask = self.attention_mask(label, position, first)
         logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=position, cache=self.cache,
                             use_cache=True, logits_to_keep=logits_to_keep).logits
-        self._check_layers()
         self.label = torch.cat([self.label, label], 1)
         self.position = torch.cat([self.position, position], 1)
         self.lengths = self.lengths + (label == COMMITTED).sum(1)
@@ -103,12 +107,6 @@ class SlotCache:
         """Keep only batch rows `rows` (finished rows leave the batch)."""
         self.cache.batch_select_indices(rows)
         self.label, self.position, self.lengths = self.label[rows], self.position[rows], self.lengths[rows]
-
-    def _check_layers(self) -> None:
-        for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer:  # a sliding window drops slots behind the labels' back
-                raise ValueError(f"{type(layer).__name__} caches (sliding-window attention) are not supported by the "
-                                 "engine; use a model with full attention in every layer")
 
 
 def descends_from(query_label: Tensor, slot_label: Tensor, first: Tensor | None) -> Tensor:
