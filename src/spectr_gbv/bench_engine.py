@@ -1,40 +1,99 @@
-"""Engine benchmark: `python -m spectr_gbv.bench_engine [--tiny]` (part of `make bench`).
+"""Engine benchmark: `python -m spectr_gbv.bench_engine [--tiny] [--dtype float32]` (part of `make bench`).
 
-Side by side in one run, on the same prompts, on the Qwen2.5-Coder pair in bfloat16 (or tiny random models):
+Where the time goes, and how far from the limit, side by side in one run on the Qwen2.5-Coder pair (or tiny random
+models), after one line naming the machine (CPU, its bf16 matrix units, threads, torch, dtype):
   - greedy (T = 0), where every method emits the same tokens: transformers' generate() vs the engine's `ar`, and
     transformers' assisted generation (same drafter, L drafted tokens per call) vs `token` with K = 1;
-  - sampling (T = 1): `ar`, `token` K = 1 and `gbv` K = 1..4 (drafter at T = 1 too).
-Speedups are ratios to `ar` at the same temperature, measured in this run. Target calls of transformers' runs are
-counted with a forward hook, so their block efficiency is measured the same way as the engine's.
+  - sampling (T = 1): `ar` and `gbv` K = 1..max_drafts, each against the cost-model limit of its speedup,
+        limit = block efficiency x t_ar / (t_target_pass + L x t_draft_step),
+    t_ar a bare target forward of 1 new position, t_target_pass of 1 + K*L positions, t_draft_step a bare drafter
+    forward of K positions, all in one row over a KV cache holding the first prompt, timed in this run. The share
+    (speedup / limit) is what the engine keeps of what its passes alone would allow;
+  - batch throughput: `gbv` K = 3 at T = 1 on N prompts decoded B at a time, B = 1, 2, 4, 8 (those <= N).
+Speedups are ratios to `ar` at the same temperature, measured in this run. Methods run prompt by prompt, in turn, so
+noise from other processes hits all alike. Prompt i always draws from a generator seeded i. Target calls of
+transformers' runs are counted with a forward hook, so their block efficiency is measured as the engine's.
 """
 import argparse
+import os
+import platform
+import statistics
+import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from spectr_gbv.engine import DecodeRecord, SpeculativeEngine
-from spectr_gbv.models import LoadedModel, packaged, tiny
+from spectr_gbv.models import DTYPES, LoadedModel, packaged, tiny
 from spectr_gbv.sampling import Sampling
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain what a hash map is and give a short example in Python.",
     "Write a SQL query that returns the ten most recent orders with their customer names.",
+    "Why is the sky blue? Answer in two sentences.",
+    "Write a bash one-liner that counts the lines of every .py file in a folder.",
+    "What is the difference between a process and a thread?",
+    "Write a JavaScript function that reverses a string.",
+    "Give three tips for writing readable code.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "What does the HTTP status code 404 mean?",
 ]
+BATCH_DRAFTS = 3  # K of the batch part: several drafts, so each row's trie is a real tree
+BATCH_SIZES = (1, 2, 4, 8)
+WIDTH = 160  # of the console: wide tables, also when piped to a file
 
+
+# --- the machine ---------------------------------------------------------------------------------------------------
+
+def machine(dtype: str) -> str:
+    """What the numbers were measured on. On CPUs bfloat16 matmuls are fast only with AMX or AVX512-BF16; without
+    them (e.g. AMD EPYC before Zen 4) they are emulated and float32 can be faster."""
+    flags = cpu_flags()
+    has = {name: "unknown" if flags is None else yes(set(needed) <= flags)
+           for name, needed in [("AMX-BF16", ["amx_tile", "amx_bf16"]), ("AVX512-BF16", ["avx512_bf16"])]}
+    return (f"{cpu_name()}, " + ", ".join(f"{name}: {value}" for name, value in has.items())
+            + f", {torch.get_num_threads()} torch threads of {os.cpu_count()} CPUs, torch {torch.__version__}, {dtype}")
+
+
+def cpu_name() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):  # no lscpu (not Linux)
+        lscpu = ""
+    names = [line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")]
+    return (names[0] if names else "") or platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> set[str] | None:
+    """The first CPU's flags in /proc/cpuinfo, None where there is none (not Linux)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    flags = [line.split(":", 1)[1].split() for line in lines if line.startswith("flags")]
+    return set(flags[0]) if flags else None
+
+
+# --- methods: prompt, seed -> DecodeRecord ---------------------------------------------------------------------------
 
 @dataclass
 class Row:
     method: str
     temperature: float
     records: list[DecodeRecord]
+    num_drafts: int = 0  # 0: not a gbv row, no cost-model limit
 
     def total(self, key: str) -> float:
         return sum(getattr(record, key) for record in self.records)
+
+    def per_call_ms(self, key: str) -> float:
+        return 1e3 * self.total(key) / self.total("target_calls")
 
     @property
     def tokens_per_second(self) -> float:
@@ -45,10 +104,11 @@ class Row:
         return self.total("new_tokens") / self.total("target_calls")
 
 
-def load_pair(use_tiny: bool) -> tuple[LoadedModel, LoadedModel]:
+def load_pair(use_tiny: bool, dtype: str) -> tuple[LoadedModel, LoadedModel]:
     if use_tiny:
-        return tiny(seed=0), tiny(seed=0, perturb=0.2)
-    return packaged("qwen2.5-coder-1.5b-instruct"), packaged("qwen2.5-coder-0.5b-instruct")
+        return tiny(seed=0, dtype=dtype), tiny(seed=0, perturb=0.2, dtype=dtype)
+    return (packaged("qwen2.5-coder-1.5b-instruct", dtype=dtype),
+            packaged("qwen2.5-coder-0.5b-instruct", dtype=dtype))
 
 
 def encode(target: LoadedModel, text: str) -> list[int]:
@@ -59,15 +119,13 @@ def encode(target: LoadedModel, text: str) -> list[int]:
 
 
 def engine_method(target, drafter, verifier, max_new_tokens, temperature, num_drafts=1, block_length=4):
-    """prompt -> DecodeRecord, one generator for the method's whole run."""
     engine = SpeculativeEngine(target, None if verifier == "ar" else drafter, verifier, num_drafts, block_length,
                                Sampling(temperature))
-    generator = torch.Generator().manual_seed(0)
-    return lambda prompt: engine.generate(prompt, max_new_tokens, generator)
+    return lambda prompt, seed: engine.generate(prompt, max_new_tokens, torch.Generator().manual_seed(seed))
 
 
 def transformers_method(target, max_new_tokens, assistant=None, block_length=4):
-    """prompt -> DecodeRecord by greedy generate(), or assisted generation drafting block_length tokens per call."""
+    """Greedy generate(), or assisted generation drafting block_length tokens per call."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=sorted(SpeculativeEngine(target, None, "ar").eos_ids),
                               pad_token_id=target.tokenizer.pad_token_id)
@@ -76,7 +134,7 @@ def transformers_method(target, max_new_tokens, assistant=None, block_length=4):
         assistant.model.generation_config.num_assistant_tokens_schedule = "constant"
         assistant.model.generation_config.assistant_confidence_threshold = 0.0
 
-    def decode(prompt: list[int]) -> DecodeRecord:
+    def decode(prompt: list[int], seed: int) -> DecodeRecord:
         calls = []  # target forward passes, counted by a hook: block efficiency measured as the engine's
         hook = target.model.register_forward_hook(lambda *_: calls.append(1))
         try:
@@ -95,75 +153,241 @@ def transformers_method(target, max_new_tokens, assistant=None, block_length=4):
 def benchmark(target, drafter, prompts, max_new_tokens, block_length, max_drafts, console) -> list[Row]:
     L, n = block_length, max_new_tokens
     methods = [
-        ("transformers generate()", 0.0, transformers_method(target, n)),
-        ("ar", 0.0, engine_method(target, drafter, "ar", n, 0.0)),
-        (f"transformers assisted, L={L}", 0.0, transformers_method(target, n, drafter, L)),
-        (f"token K=1 L={L}", 0.0, engine_method(target, drafter, "token", n, 0.0, 1, L)),
-        ("ar", 1.0, engine_method(target, drafter, "ar", n, 1.0)),
-        (f"token K=1 L={L}", 1.0, engine_method(target, drafter, "token", n, 1.0, 1, L)),
-    ] + [(f"gbv K={K} L={L}", 1.0, engine_method(target, drafter, "gbv", n, 1.0, K, L))
+        (Row("transformers generate()", 0.0, []), transformers_method(target, n)),
+        (Row("ar", 0.0, []), engine_method(target, drafter, "ar", n, 0.0)),
+        (Row(f"transformers assisted, L={L}", 0.0, []), transformers_method(target, n, drafter, L)),
+        (Row(f"token K=1 L={L}", 0.0, []), engine_method(target, drafter, "token", n, 0.0, 1, L)),
+        (Row("ar", 1.0, []), engine_method(target, drafter, "ar", n, 1.0)),
+    ] + [(Row(f"gbv K={K} L={L}", 1.0, [], K), engine_method(target, drafter, "gbv", n, 1.0, K, L))
          for K in range(1, max_drafts + 1)]
-    rows = [Row(method, temperature, []) for method, temperature, _ in methods]
     # Prompt by prompt, every method in turn: a busy spell of other processes on the machine then slows all
     # methods alike instead of the few that happened to run during it.
     for i, prompt in enumerate(prompts):
-        for row, (_, _, decode) in zip(rows, methods):
-            row.records.append(decode(prompt))
+        for row, decode in methods:
+            row.records.append(decode(prompt, i))
             console.log(f"prompt {i + 1}/{len(prompts)}, {row.method} at T={row.temperature:g}: "
                         f"{row.records[-1].new_tokens / row.records[-1].total_time:.2f} tokens/s")
-    return rows
+    return [row for row, _ in methods]
 
 
-def report(rows: list[Row], title: str, console: Console) -> None:
-    baseline = {row.temperature: row for row in rows if row.method == "ar"}
-    table = Table(title=title)
-    for column in ["method", "T", "tokens", "tok/s", "speedup vs ar", "block eff.", "s/target call", "draft s",
-                   "target s", "verify s", "total s"]:
-        table.add_column(column, justify="left" if column == "method" else "right")
+def same_outputs(a: list[DecodeRecord], b: list[DecodeRecord]) -> bool:
+    """Outputs of the same draws agree in float32/float64; in bfloat16 a pass over more positions or rows rounds
+    differently from a pass over fewer, so a near-tie can flip and the texts part."""
+    return [r.output_ids for r in a] == [r.output_ids for r in b]
+
+
+def yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+# --- the cost model ------------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def forward_seconds(model, context: list[int], width: int, repeats: int) -> float:
+    """Median seconds of a bare forward of `width` new positions in one row over a cache holding `context`: the
+    pass alone, without the engine's masks, warping, sampling and cache bookkeeping."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([context], device=model.device), cache=cache, use_cache=True)
+    inputs = torch.tensor([context[-1:] * width], device=model.device)  # the ids do not change the cost
+    seconds = []
+    for _ in range(1 + repeats):  # the first is a warm-up: the first call of a shape pays one-time costs
+        start = time.perf_counter()
+        model(input_ids=inputs, cache=cache, use_cache=True)
+        seconds.append(time.perf_counter() - start)
+        cache.crop(-width)  # back to the context, so every repetition sees the same one (-n: drop the last n)
+    return statistics.median(seconds[1:])
+
+
+@dataclass
+class Costs:
+    """Bare forward seconds: target_pass[K] of 1 + K*L positions (K = 0: the one position of an `ar` step),
+    draft_step[K] of K positions (each drafter step after the first feeds at most K)."""
+    target_pass: dict[int, float]
+    draft_step: dict[int, float]
+    block_length: int
+
+    @property
+    def ar(self) -> float:
+        return self.target_pass[0]
+
+    def limit(self, row: Row) -> float:
+        """The speedup over `ar` if each iteration cost only its bare passes and `ar` only its bare step."""
+        K = row.num_drafts
+        if K == 0:
+            return 1.0
+        return row.block_efficiency * self.ar / (self.target_pass[K] + self.block_length * self.draft_step[K])
+
+
+def measure_costs(target, drafter, context, block_length, max_drafts, repeats) -> Costs:
+    return Costs({K: forward_seconds(target.model, context, 1 + K * block_length, repeats)
+                  for K in range(max_drafts + 1)},
+                 {K: forward_seconds(drafter.model, context, K, repeats) for K in range(1, max_drafts + 1)},
+                 block_length)
+
+
+# --- batch throughput ----------------------------------------------------------------------------------------------
+
+@dataclass
+class BatchRun:
+    batch_size: int
+    records: list[DecodeRecord]
+    wall: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(r.new_tokens for r in self.records) / self.wall
+
+
+def batch_throughput(target, drafter, prompts, max_new_tokens, block_length, console) -> list[BatchRun]:
+    """All prompts through generate_batch in chunks of B, prompt i always with the generator seeded i: the same
+    draws at every B, so outputs differ across B only by rounding (padding changes the shapes of the matmuls)."""
+    engine = SpeculativeEngine(target, drafter, "gbv", BATCH_DRAFTS, block_length, Sampling(1.0))
+    runs = []
+    for B in [B for B in BATCH_SIZES if B <= len(prompts)]:
+        records = []
+        start = time.perf_counter()
+        for first in range(0, len(prompts), B):
+            chunk = range(first, min(first + B, len(prompts)))
+            records += engine.generate_batch([prompts[i] for i in chunk], max_new_tokens,
+                                             [torch.Generator().manual_seed(i) for i in chunk])
+        runs.append(BatchRun(B, records, time.perf_counter() - start))
+        console.log(f"batch B={B}: {runs[-1].tokens_per_second:.2f} tokens/s")
+    return runs
+
+
+# --- tables --------------------------------------------------------------------------------------------------------
+
+def new_table(title: str, columns: list[str]) -> Table:
+    """A table at least as wide as its title's lines, so the machine line in the title is not wrapped."""
+    table = Table(title=title, title_justify="left", min_width=min(WIDTH, max(map(len, title.splitlines()))))
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    return table
+
+
+def report_greedy(rows: list[Row], title: str, console: Console) -> None:
+    generate, ar, assisted, token = rows
+    table = new_table(f"Greedy (T=0): the engine vs transformers\n{title}",
+                      ["method", "tokens", "tok/s", "speedup vs ar", "block eff.", "ms/target call", "draft s",
+                       "target s", "verify s", "total s"])
     for row in rows:
-        speedup = row.tokens_per_second / baseline[row.temperature].tokens_per_second
         split = ["-"] * 3 if row.method.startswith("transformers") else [
             f"{row.total(key):.2f}" for key in ("draft_time", "target_time", "verify_time")]
-        table.add_row(row.method, f"{row.temperature:g}", str(int(row.total("new_tokens"))),
-                      f"{row.tokens_per_second:.2f}", f"{speedup:.2f}x", f"{row.block_efficiency:.2f}",
-                      f"{row.total('total_time') / row.total('target_calls'):.3f}", *split,
-                      f"{row.total('total_time'):.2f}")
+        table.add_row(row.method, str(int(row.total("new_tokens"))), f"{row.tokens_per_second:.2f}",
+                      f"{row.tokens_per_second / ar.tokens_per_second:.2f}x", f"{row.block_efficiency:.2f}",
+                      f"{row.per_call_ms('total_time'):.1f}", *split, f"{row.total('total_time'):.2f}")
     console.print(table)
-    generate, ar, assisted, token = rows[:4]
     console.print(f"ar / generate() tokens/s: {ar.tokens_per_second / generate.tokens_per_second:.2f} "
-                  f"(same tokens: {same_outputs(ar, generate)}); token K=1 / assisted tokens/s: "
+                  f"(same tokens: {yes(same_outputs(ar.records, generate.records))}); token K=1 / assisted tokens/s: "
                   f"{token.tokens_per_second / assisted.tokens_per_second:.2f} (block efficiency "
                   f"{token.block_efficiency:.2f} vs {assisted.block_efficiency:.2f}; same tokens: "
-                  f"{same_outputs(token, assisted)}, as ar: {same_outputs(token, ar)})")
+                  f"{yes(same_outputs(token.records, assisted.records))}, "
+                  f"as ar: {yes(same_outputs(token.records, ar.records))})")
 
 
-def same_outputs(a: Row, b: Row) -> bool:
-    """Greedy outputs agree exactly in float32/float64; in bfloat16 a pass over L+1 positions rounds differently
-    from a pass over one, so a near-tie can flip and the texts part."""
-    return [r.output_ids for r in a.records] == [r.output_ids for r in b.records]
+def report_sampling(rows: list[Row], costs: Costs, title: str, console: Console) -> None:
+    ar = rows[0]
+    table = new_table(f"Sampling (T=1): speedup vs the cost-model limit\n{title}",
+                      ["method", "tokens", "tok/s", "speedup vs ar", "block eff.", "limit", "share", "total s"])
+    for row in rows:
+        speedup = row.tokens_per_second / ar.tokens_per_second
+        table.add_row(row.method, str(int(row.total("new_tokens"))), f"{row.tokens_per_second:.2f}",
+                      f"{speedup:.2f}x", f"{row.block_efficiency:.2f}", f"{costs.limit(row):.2f}x",
+                      f"{speedup / costs.limit(row):.0%}", f"{row.total('total_time'):.2f}")
+    console.print(table)
+    # The share is relative to ar, which has overheads of its own: say how far ar is from its bare step.
+    console.print(f"ar itself runs at {ar.tokens_per_second * costs.ar:.0%} of its bare limit 1 / t_ar = "
+                  f"{1 / costs.ar:.2f} tokens/s")
 
 
-def main(argv: list[str] | None = None) -> None:
+def report_costs(rows: list[Row], costs: Costs, context_length: int, repeats: int, title: str,
+                 console: Console) -> None:
+    """Bare passes next to what the engine spends per iteration on each side (prefill included, spread over the
+    iterations), so the gap between share and 100% can be pinned on the target side, the drafter or the rest."""
+    L = costs.block_length
+    table = new_table(f"Bare forwards in one row over a cache of {context_length} prompt tokens (median of {repeats}; "
+                      f"drafter: L={L} steps) vs the engine's ms per iteration at T=1, prefill included\n{title}",
+                      ["method", "target pos.", "target bare ms", "target engine ms", "draft pos.", "draft bare ms",
+                       "draft engine ms", "verify ms", "other ms"])
+    for row in rows:
+        K = row.num_drafts
+        engine = {key: row.per_call_ms(key) for key in ("target_time", "draft_time", "verify_time", "total_time")}
+        other = 2 * engine["total_time"] - sum(engine.values())  # bookkeeping: cache keep/compact, emitting tokens
+        drafter = ["-", "-", "-"] if K == 0 else [
+            str(K), f"{1e3 * L * costs.draft_step[K]:.1f}", f"{engine['draft_time']:.1f}"]
+        table.add_row(row.method, str(1 + K * L), f"{1e3 * costs.target_pass[K]:.1f}", f"{engine['target_time']:.1f}",
+                      *drafter, f"{engine['verify_time']:.1f}", f"{other:.1f}")
+    console.print(table)
+
+
+def report_batch(runs: list[BatchRun], title: str, console: Console) -> None:
+    base = runs[0]
+    table = new_table(f"Batch throughput: gbv K={BATCH_DRAFTS} at T=1, B prompts per generate_batch call\n{title}",
+                      ["B", "tokens", "wall s", "tok/s", "vs B=1", "block eff.", "draft %", "target %", "verify %",
+                       "same tokens as B=1"])
+    for run in runs:
+        tokens = sum(r.new_tokens for r in run.records)
+        table.add_row(str(run.batch_size), str(tokens), f"{run.wall:.2f}", f"{run.tokens_per_second:.2f}",
+                      f"{run.tokens_per_second / base.tokens_per_second:.2f}x",
+                      f"{tokens / sum(r.target_calls for r in run.records):.2f}",
+                      *[f"{sum(getattr(r, key) for r in run.records) / run.wall:.0%}"
+                        for key in ("draft_time", "target_time", "verify_time")],
+                      yes(same_outputs(run.records, base.records)))
+    console.print(table)
+
+
+# --- command line --------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny random models (seconds, for smoke tests)")
-    parser.add_argument("--prompts", type=int, default=2, choices=range(1, len(PROMPTS) + 1))
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="model dtype (default: bfloat16, tiny: float32); without AMX or AVX512-BF16, float32 "
+                             "can be faster")
+    parser.add_argument("--prompts", type=int, default=2, choices=range(1, len(PROMPTS) + 1),
+                        help="prompts of the greedy and sampling parts")
+    parser.add_argument("--batch-prompts", type=int, default=8, choices=range(1, len(PROMPTS) + 1),
+                        help="prompts N of the batch part")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--block-length", type=int, default=4)
     parser.add_argument("--max-drafts", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions of each bare forward")
     args = parser.parse_args(argv)
-    for key in ("max_new_tokens", "block_length", "max_drafts"):
+    for key in ("max_new_tokens", "block_length", "max_drafts", "repeats"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} is not allowed: must be >= 1")
+    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.tiny:  # tiny models are all per-op overhead: a second thread only adds synchronisation
         torch.set_num_threads(1)
-    target, drafter = load_pair(args.tiny)
-    prompts = [encode(target, text) for text in PROMPTS[:args.prompts]]
-    engine_method(target, drafter, "token", 2, 0.0)(prompts[0])  # warm-up: first calls pay one-time costs
-    transformers_method(target, 2, drafter)(prompts[0])
-    console = Console(width=150)  # a wide table, also when piped to a file
-    rows = benchmark(target, drafter, prompts, args.max_new_tokens, args.block_length, args.max_drafts, console)
-    report(rows, f"{target.name} <- {drafter.name}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
-                 f"{torch.get_num_threads()} threads", console)
+    console = Console(width=WIDTH)
+    about = machine(args.dtype)
+    console.print(f"machine: {about}")
+    target, drafter = load_pair(args.tiny, args.dtype)
+    texts = PROMPTS[:max(args.prompts, args.batch_prompts)]
+    encoded = [encode(target, text) for text in texts]
+    prompts, batch_prompts = encoded[:args.prompts], encoded[:args.batch_prompts]
+    L, n = args.block_length, args.max_new_tokens
+    # Warm-up: first calls pay one-time costs (a batch of several drafts, and transformers' assisted path).
+    warm = encoded[:2]
+    SpeculativeEngine(target, drafter, "gbv", args.max_drafts, L).generate_batch(
+        warm, 2, [torch.Generator().manual_seed(i) for i in range(len(warm))])
+    transformers_method(target, 2, drafter, L)(prompts[0], 0)
+
+    costs = measure_costs(target, drafter, prompts[0], L, args.max_drafts, args.repeats)
+    rows = benchmark(target, drafter, prompts, n, L, args.max_drafts, console)
+    runs = batch_throughput(target, drafter, batch_prompts, n, L, console)
+
+    pair = f"{target.name} <- {drafter.name}"
+    title = f"{pair}, {len(prompts)} prompts x {n} new tokens\n{about}"
+    report_greedy(rows[:4], title, console)
+    report_sampling(rows[4:], costs, title, console)
+    report_costs(rows[4:], costs, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
+    report_batch(runs, f"{pair}, {len(batch_prompts)} prompts x {n} new tokens\n{about}", console)
 
 
 if __name__ == "__main__":

@@ -67,15 +67,21 @@ class SlotCache:
         position = (self.lengths[:, None] + torch.arange(width, device=device) - pads[:, None]).clamp_min(0)
         return self.forward(tokens, label, position, logits_to_keep=1)[:, -1]
 
-    def attention_mask(self, label: Tensor, position: Tensor, first: Tensor | None) -> Tensor:
+    def attention_mask(self, label: Tensor, position: Tensor, first: Tensor | None) -> Tensor | None:
         """[B, 1, N, slots + N] of 0 (attend) and the dtype's minimum: transformers takes a 4D mask as given, and
-        only an additive one means the same under eager and sdpa attention."""
+        only an additive one means the same under eager and sdpa attention. None when the mask is plain causal
+        over the slots (one row without holes, a chain of drafts): transformers then runs the same kernels as its
+        own generate(), so `ar` and `token` match it token for token in bfloat16 too."""
         slot_label = torch.cat([self.label, label], 1)
         slot_position = torch.cat([self.position, position], 1)
         sees = slot_position[:, None, :] <= position[:, :, None]
         sees &= (slot_label[:, None, :] == COMMITTED) | descends_from(label, slot_label, first)
         n = label.shape[1]
         sees[:, :, -n:] |= torch.eye(n, dtype=torch.bool, device=sees.device)  # a padding query sees itself: no NaN
+        slot = torch.arange(sees.shape[-1], device=sees.device)
+        causal = slot <= slot[-n:, None]
+        if bool((sees == causal).all() and (position == slot[-n:]).all()):
+            return None
         dtype = self.model.dtype
         return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(
             ~sees, torch.finfo(dtype).min)[:, None]

@@ -1,0 +1,38 @@
+"""The engine benchmark's smoke mode runs end to end in-process and prints every part; bad flags are refused."""
+import pytest
+import torch
+
+from spectr_gbv.bench_engine import cpu_name, main
+
+
+@pytest.fixture
+def restore_threads():
+    """--tiny sets one torch thread for the whole process: give the other tests theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_run_prints_machine_limits_costs_and_batches(capsys, restore_threads):
+    main(["--tiny", "--prompts", "1", "--batch-prompts", "4", "--max-new-tokens", "6", "--block-length", "2",
+          "--max-drafts", "2", "--repeats", "2", "--dtype", "float64"])  # returns: exit status 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"machine: {cpu_name()}, AMX-BF16: ")
+    assert "AVX512-BF16: " in out and f"torch {torch.__version__}" in out and "float64" in out
+    for heading in ["Greedy (T=0)", "ar / generate() tokens/s", "Sampling (T=1): speedup vs the cost-model limit",
+                    "limit", "share", "ar itself runs at", "Bare forwards", "Batch throughput"]:
+        assert heading in out
+    assert "gbv K=2 L=2" in out and "same tokens as B=1" in out
+    # B = 1, 2, 4 on 4 prompts (not 8); float64, so every B emits the tokens of B = 1
+    batch = out[out.index("Batch throughput"):]
+    assert [line.split()[1] for line in batch.splitlines() if line.startswith("│")] == ["1", "2", "4"]
+    assert all(line.split()[-2] == "yes" for line in batch.splitlines() if line.startswith("│"))
+
+
+@pytest.mark.parametrize("flag", [["--max-new-tokens", "0"], ["--block-length", "-1"], ["--repeats", "0"],
+                                  ["--dtype", "float16"], ["--batch-prompts", "0"], ["--prompts", "99"]])
+def test_bad_flag_values_exit_nonzero(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--tiny", *flag])
+    assert exit_.value.code != 0
+    assert "error" in capsys.readouterr().err
