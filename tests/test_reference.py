@@ -1,5 +1,6 @@
 """The exact reference laws: every lossless verifier reproduces the target law, the published SpecTr-GBV rule does
-not, and the numbers match the spec's anchors and identities. Everything here is exact enumeration (float64)."""
+not, and the numbers match the anchors and identities of docs/algorithms.md §12. Everything here is exact
+enumeration (float64)."""
 
 import itertools
 
@@ -26,7 +27,7 @@ from spectr_gbv.verifiers.reference import (
 
 EXACT = 1e-12
 
-ANCHORS = {  # spec section 11: (p, q, L, K)
+ANCHORS = {  # docs/algorithms.md §12: (p, q, L, K)
     "A": ([1 / 3, 2 / 3], [2 / 3, 1 / 3], 2, 2),
     "B": ([0.5, 0.3, 0.2], [0.2, 0.3, 0.5], 2, 2),
     "C": ([0.6, 0.3, 0.1], [0.3, 0.3, 0.4], 3, 2),
@@ -91,7 +92,7 @@ def test_gbv_without_its_modification_is_caught(monkeypatch, vocab, L, K, iterat
 def test_gbv_without_its_modification_on_the_toy_example(monkeypatch):
     monkeypatch.setitem(ref.VERIFIERS, "gbv_unmodified", gbv_without_modification)
     p, q, L, _ = anchor("A")
-    assert law_error("gbv_unmodified", p, q, L, 1) == pytest.approx(0.074, abs=5e-4)  # spec section 4
+    assert law_error("gbv_unmodified", p, q, L, 1) == pytest.approx(0.074, abs=5e-4)  # docs/algorithms.md §4.2
 
 
 @pytest.mark.parametrize("name", ANCHORS)

@@ -1,5 +1,5 @@
 """The batched verifiers: their contract, their laws on whole generated streams (with negative controls that must
-fail), temperature 0, the section 11 anchors, and parity with the exact float64 reference."""
+fail), temperature 0, the anchors of docs/algorithms.md §12, and parity with the exact float64 reference."""
 import numpy as np
 import pytest
 import torch
@@ -217,9 +217,9 @@ def test_temperature_zero_emits_the_greedy_path(name, K, L):
     assert prob == 1.0 and (samples == torch.tensor(greedy)).all()
 
 
-# ---- the section 11 anchors: mean accepted length of the first iteration -------------------------------------
+# ---- the anchors (docs/algorithms.md §12): mean accepted length of the first iteration ------------------------
 
-ANCHORS = {  # (p, q, L, K): exact E[tau] per verifier (spec section 11); single-draft verifiers at K = 1
+ANCHORS = {  # (p, q, L, K): exact E[tau] per verifier (docs/algorithms.md §12); single-draft verifiers at K = 1
     "A": (((1 / 3, 2 / 3), (2 / 3, 1 / 3), 2, 2), {
         "token": 1.111111, "bv": 1.222222, "gbv@1": 1.333333, "nss": 1.012346, "specinfer": 1.333333,
         "spectr": 1.405487, "multipath": 1.617284, "gbv": 1.481481, "spectr_gbv_paper": 1.403435}),

@@ -1,6 +1,6 @@
 """Exact audit of every verifier: `python -m spectr_gbv.audit`.
 
-For the three anchors of the spec (section 11) and one random context-dependent instance with zeros (top-k-like),
+For the three anchors of docs/algorithms.md §12 and one random context-dependent instance with zeros (top-k-like),
 prints each verifier's exact mean accepted length E[tau] of one iteration and its share of the bound sum_t alpha*_t
 for its number of drafts (no lossless verifier can beat it), the exact error of the law of the next L+1 tokens (gbv
 continues with its target modification), and the paper's claimed optimum C_L(K). Everything comes from the

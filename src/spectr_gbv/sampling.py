@@ -1,7 +1,7 @@
 """Sampling settings and the logits -> probabilities warp shared by drafter and target.
 
 Every verifier is lossless with respect to the *warped* target distribution, so drafter and target must go
-through exactly this function (spec section 9): logits / T -> top-k mask -> top-p mask -> renormalise.
+through exactly this function (docs/algorithms.md §1.3): logits / T -> top-k mask -> top-p mask -> renormalise.
 """
 from dataclasses import dataclass
 

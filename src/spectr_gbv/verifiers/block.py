@@ -1,5 +1,5 @@
-"""Single-path verifiers: token-level speculative sampling (spec 2), block verification (spec 3), and Thomas and
-Pal's greedy multi-path block verification (spec 7), which is block verification of the best of the K paths
+"""Single-path verifiers: token-level speculative sampling (docs/algorithms.md §2), block verification (§3), and
+Thomas and Pal's greedy multi-path block verification (§8), which is block verification of the best of the K paths
 against that path's exact ("skewed") draft law."""
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ class TokenVerifier(Verifier):
 
 
 def bv_acceptance(x: Tensor, q: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
-    """Block verification's h_1..h_L [B, L] and weights w_0..w_L [B, L+1] (spec 3), weights in log space."""
+    """Block verification's h_1..h_L [B, L] and weights w_0..w_L [B, L+1] (docs/algorithms.md §3), weights in
+    log space."""
     log_ratio = token_probs(p, x).log() - token_probs(q, x).log()
     log_w = [torch.zeros_like(log_ratio[:, 0])]
     for i in range(x.shape[1]):
@@ -91,8 +92,9 @@ def ratio_key(p: Tensor, q: Tensor) -> Tensor:
 
 
 def skewed_draft(x: Tensor, q_nodes: Tensor, p_nodes: Tensor, num_drafts: int) -> Tensor:
-    """Exact law of the lexicographic maximum of K i.i.d. paths along the selected path x (spec 7, step 3).
-    Keeps the masses below / on the path normalised (a + s = 1) so nothing under- or overflows with depth."""
+    """Exact law of the lexicographic maximum of K i.i.d. paths along the selected path x (docs/algorithms.md
+    §8, step 3). Keeps the masses below / on the path normalised (a + s = 1) so nothing under- or overflows with
+    depth."""
     B, L, V = q_nodes.shape
     below_mass = torch.zeros(B, dtype=q_nodes.dtype, device=q_nodes.device)  # a = A_v / D
     path_mass = torch.ones_like(below_mass)  # s = x_v / D

@@ -1,4 +1,4 @@
-"""The optimal-transport bound every multi-draft verifier is measured against (spec 6.4)."""
+"""The optimal-transport bound every multi-draft verifier is measured against (docs/algorithms.md §10)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
-"""`gbv`: the project's lossless SpecTr-GBV. Greedy block verification (spec 4) for one draft, RGBV (spec 8.5) for K.
+"""`gbv`: the project's lossless SpecTr-GBV (docs/algorithms.md §4): greedy block verification for one draft, RGBV
+for K.
 
 The target block Y is coupled with each draft in turn by the greedy block coupling, which attains the largest
 possible agreement at every depth at once. Each coupling reveals how far Y agrees with that draft and leaves Y with a
@@ -9,7 +10,8 @@ new conditional law: a *residual level* on top of the previous one,
 
 with S, M the draft and current-target joint masses of v since the block start. The correction token comes from the
 final law, and the levels stay in force for the rest of the block window: the next iteration verifies against them
-(the "target modification"; without it the stream is biased). Pending levels are this verifier's state.
+(the "target modification"; without it the stream is biased). Pending levels are this verifier's state
+(docs/algorithms.md §4.4).
 """
 from __future__ import annotations
 
@@ -83,8 +85,9 @@ def apply_level(level: Level, cond: Tensor, q: Tensor, log_s_over_m: Tensor) -> 
 
 
 def greedy_acceptance(cond: Tensor, q: Tensor, x: Tensor, log_s: Tensor, block_length: int) -> Tensor:
-    """h_1..h_L [B, L] of the greedy block coupling of path x against the target conditionals cond (spec 4.2), given
-    at the first n nodes only: beyond them the path has zero mass under the target, so h = 0 there."""
+    """h_1..h_L [B, L] of the greedy block coupling of path x against the target conditionals cond
+    (docs/algorithms.md §4.1), given at the first n nodes only: beyond them the path has zero mass under the target,
+    so h = 0 there."""
     n = x.shape[1]
     rho = (cumulative_log(cond, x) - log_s)[:, 1:].clamp(max=MAX_LOG_RATIO).exp()  # joint ratio, not clamped at 1
     mu = torch.minimum(q[:, 1:n], rho[:, : n - 1, None] * cond[:, 1:n]).sum(-1)

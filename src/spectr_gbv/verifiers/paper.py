@@ -1,9 +1,10 @@
-"""`spectr_gbv_paper`: the SpecTr-GBV acceptance rule as published (spec 8.2), kept to reproduce the paper's numbers.
+"""`spectr_gbv_paper`: the SpecTr-GBV acceptance rule as published (docs/algorithms.md §9), kept to reproduce the
+paper's numbers.
 
 NOT lossless at temperature > 0: for K >= 2 its output law differs from the target's even for one token, and it
-omits the target modification that greedy block verification needs across iterations (spec 8.3; law error 0.02 to
-0.10 on the anchors). At temperature 0 it reduces to the longest match with the greedy path, which is exact.
-Use `gbv` for anything that needs exactness.
+omits the target modification that greedy block verification needs across iterations (docs/algorithms.md §9.2; law
+error 0.02 to 0.04 on the anchors, §9.3). At temperature 0 it reduces to the longest match with the greedy path,
+which is exact. Use `gbv` for anything that needs exactness.
 
 Notation: S, B draft and target joint masses of a sub-block, a = min(1, S/B), f = 1 - (1 - a)^K,
 G = B f, sigma = 1 - (1 - S)^K.

@@ -8,7 +8,7 @@ rounding. Nothing here is fast: V^(L*K) draft tuples are enumerated. numpy only,
 One verification iteration is described by `outcomes(name, p, q, drafts)`: a list of
 `(probability, emitted_tokens, cont)` where `emitted_tokens` is the accepted prefix plus the extra token and
 `cont(seq)` the conditional that continues the stream after `seq` (block-relative). `cont` is the target `p`
-except for `gbv`, whose target is modified for the rest of the block window (spec section 4 and 8.5).
+except for `gbv`, whose target is modified for the rest of the block window (docs/algorithms.md §4.2 to §4.4).
 """
 
 import functools
@@ -21,7 +21,7 @@ import numpy as np
 # Models and laws
 # ---------------------------------------------------------------------------------------------------------------
 class ConstModel:
-    """Context-independent model (the section 11 anchors)."""
+    """Context-independent model (the anchors of docs/algorithms.md §12)."""
 
     def __init__(self, dist):
         self.dist = np.asarray(dist, dtype=np.float64)
@@ -90,7 +90,7 @@ def tau_law(h):
 
 def _normalise(r, fallback):
     """norm(r), else `fallback`: for the lossless rules a residual has zero mass only at contexts of probability
-    zero, where any law will do; spectr_gbv_paper falls back to p as the spec says."""
+    zero, where any law will do; spectr_gbv_paper falls back to p (docs/algorithms.md §11, note 3)."""
     total = r.sum()
     return r / total if total > 0 else fallback
 
@@ -100,7 +100,7 @@ def _emit(prob, prefix, dist, cont):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Single-draft block rules: token-level SD (section 2) and block verification (section 3)
+# Single-draft block rules: token-level SD (docs/algorithms.md §2) and block verification (§3)
 # ---------------------------------------------------------------------------------------------------------------
 def _token_h(p, q, x):
     """Token SD stops at the first U_i >= a_i; written in the backward form of tau_law:
@@ -157,7 +157,7 @@ def bv(p, q, drafts):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# gbv: greedy block verification with the target modification (K=1, section 4) = RGBV (K>1, section 8.5)
+# gbv: greedy block verification with the target modification (K=1, docs/algorithms.md §4.1-4.2) = RGBV (K>1, §4.3)
 # ---------------------------------------------------------------------------------------------------------------
 class _Measure:
     """A law of the target block given by its conditionals (memoised; residual chains call them repeatedly)."""
@@ -188,7 +188,7 @@ def _residual(measure, q, u):
 
 
 def _greedy_h(measure, q, x):
-    """Greedy-coupling posteriors of draft x against the target block law (section 4.2 with p -> measure)."""
+    """Greedy-coupling posteriors of draft x against the target block law (docs/algorithms.md §4.1, p -> measure)."""
     h = []
     for i in range(1, len(x) + 1):
         v = x[:i]
@@ -224,7 +224,7 @@ def gbv(p, q, drafts):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Token-level tree verifiers: SpecTr K-SEQ (section 5), SpecInfer (6.2), NSS (6.1)
+# Token-level tree verifiers: SpecTr K-SEQ (docs/algorithms.md §5), SpecInfer (§6), NSS (§7)
 # ---------------------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1 << 12)
 def _kseq_rho(p_bytes, q_bytes, k, steps=64):
@@ -295,7 +295,7 @@ def _tree(node_law):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# multipath: Thomas and Pal's greedy multi-path block verification (section 7), tie-breaking fixed
+# multipath: Thomas and Pal's greedy multi-path block verification (docs/algorithms.md §8), tie-breaking fixed
 # ---------------------------------------------------------------------------------------------------------------
 def _key(p, q, v, c):
     """Strict per-node order, used both to select the path and to compute its law: (min(1, p/q), token id)."""
@@ -330,7 +330,7 @@ def multipath(p, q, drafts):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# spectr_gbv_paper: the published SpecTr-GBV rule as released (section 8.2); NOT lossless at temperature > 0
+# spectr_gbv_paper: the published SpecTr-GBV rule as released (docs/algorithms.md §9); NOT lossless at T > 0
 # ---------------------------------------------------------------------------------------------------------------
 def spectr_gbv_paper(p, q, drafts):
     K, L, V = len(drafts), len(drafts[0]), vocab_size(p)
@@ -473,7 +473,7 @@ def block_acceptance(name, p, q, draft):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Bounds: optimal-transport acceptance (section 6.4) and the paper's claimed optimum (section 8.1)
+# Bounds: optimal-transport acceptance (docs/algorithms.md §10.1-10.2) and the paper's claimed optimum (§10.3)
 # ---------------------------------------------------------------------------------------------------------------
 def alpha_star_brute(p_vec, q_vec, K):
     """min over all subsets A of p(A) + 1 - q(A)^K (max-flow / min-cut form of the OT optimum)."""

@@ -1,6 +1,6 @@
-"""Token-level multi-draft verifiers on the draft trie (spec 5, 6): walk down from the root; at each node a node
-solver turns p, q and the next tokens of the drafts through the node into one token distributed as p; descend if it
-is a child (even when it came from the residual), else it is the correction token."""
+"""Token-level multi-draft verifiers on the draft trie (docs/algorithms.md §5-7): walk down from the root; at each
+node a node solver turns p, q and the next tokens of the drafts through the node into one token distributed as p;
+descend if it is a child (even when it came from the residual), else it is the correction token."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .base import Verifier, VerifierOutput, normalise, pick, sample, uniforms
 
-RHO_BISECTION_STEPS = 40
+RHO_BISECTION_STEPS = 40  # lossless at any count; why 40 is enough: docs/algorithms.md §11, note 6
 
 
 def first_alive(alive: Tensor) -> Tensor:
