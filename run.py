@@ -63,12 +63,23 @@ def evaluate(cfg: DictConfig) -> float:
         raise ConfigError("trainer.devices", trainer.num_devices, "must be 1 inside a -m sweep; run multi-process "
                           "jobs one command each, or let a launcher start the processes (submitit, torchrun)")
     if logger:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        start_logger(logger, cfg)
     try:
         trainer.test(module, datamodule=datamodule)
     finally:
         finish_wandb()  # each multirun job is its own W&B run
     return module.summary.get("metrics", {}).get("overall", {}).get("block_efficiency", float("nan"))
+
+
+def start_logger(logger, cfg: DictConfig) -> None:
+    """Log the config; W&B starts its run here, so a missing login is the user's environment, told in one line."""
+    try:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    except Exception as error:
+        if type(error).__name__ != "UsageError" or not type(error).__module__.startswith("wandb"):
+            raise
+        raise ConfigError("logger.mode", cfg.logger.get("mode"), f"W&B cannot start: {error} Run `wandb login`, "
+                          "or use logger.mode=offline (the default)") from error
 
 
 def finish_wandb() -> None:

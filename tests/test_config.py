@@ -1,6 +1,7 @@
 """Every option of every config group composes (and, where cheap, instantiates); each bad knob is refused by the
 one validation function with a message naming the key, the value and what is allowed."""
 import pytest
+import torch
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import Logger
@@ -84,6 +85,8 @@ def test_sweep_preset_composes(make_cfg):
     (["top_p=1.5"], "top_p=1.5: must be in (0, 1]"),
     (["top_k=-1"], "top_k=-1: must be >= 0"),
     (["max_new_tokens=0"], "max_new_tokens=0: must be >= 1"),
+    (["block_length=100000"], "block_length=100000: must be <= max_new_tokens (8): a longer draft can never be emitted"),
+    (["batch_size=0"], "batch_size=0: must be >= 1"),
     (["limit=0"], "limit=0: must be >= 1"),
     (["verifier=token", "num_drafts=2"], "num_drafts=2: verifier token takes at most 1 draft(s)"),
     (["verifier=bv", "num_drafts=3"], "num_drafts=3: verifier bv takes at most 1 draft(s)"),
@@ -109,3 +112,11 @@ def test_schema_checks_types(make_cfg):
     cfg = make_cfg()
     with open_dict(cfg), pytest.raises(Exception):
         cfg.temperature = "hot"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+@pytest.mark.parametrize("option", ["gpu", "ddp"])
+def test_a_gpu_trainer_without_cuda_is_one_line(make_cfg, option):
+    with pytest.raises(ConfigError, match=f"trainer.accelerator=cuda: no CUDA device here .*use trainer=cpu or "
+                                          "trainer=ddp_cpu"):
+        validate(make_cfg(f"trainer={option}"))

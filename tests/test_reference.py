@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy.optimize import linprog
 
+from spectr_gbv import audit
 from spectr_gbv.verifiers import reference as ref
 from spectr_gbv.verifiers.reference import (
     LOSSLESS,
@@ -193,3 +194,9 @@ def test_single_draft_verifier_refuses_several_drafts():
     p, q = random_pair(2, seed=0)
     with pytest.raises(ValueError, match="single draft"):
         ref.outcomes("bv", p, q, [(0,), (1,)])
+
+
+def test_audit_refuses_an_unknown_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        audit.main(["--anything"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --anything" in capsys.readouterr().err

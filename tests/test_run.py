@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, TINY
 
@@ -158,6 +159,26 @@ def test_bad_input_is_one_line(override, line, tmp_path):
     assert "Traceback" not in done.stderr
     if not override.startswith("dataset"):  # the rest fail before Lightning starts: nothing else is printed
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("overrides, env, line", [
+    (["trainer=gpu"], {}, "error: trainer.accelerator=cuda: no CUDA device here (or torch is a CPU build); use "
+                          "trainer=cpu or trainer=ddp_cpu"),
+    (["block_length=100000"], {}, "error: block_length=100000: must be <= max_new_tokens (8)"),
+    # HF_HUB_OFFLINE makes the hub refuse at once; without network it refuses after its retries (about 30 s)
+    (["model=hf", "model.path=someorg/somemodel"], {"HF_HUB_OFFLINE": "1"},
+     "error: path=someorg/somemodel: not a local folder or .gguf file, and the hub could not give it"),
+    (["logger=wandb", "logger.mode=online"], {},
+     "error: logger.mode=online: W&B cannot start: No API key configured."),
+])
+def test_environment_mistakes_are_one_line(overrides, env, line, tmp_path):
+    if overrides == ["trainer=gpu"] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    env = {**env, "HOME": str(tmp_path), "WANDB_DIR": str(tmp_path)}  # no ~/.netrc: no W&B login
+    done = run_py(*overrides, f"hydra.run.dir={tmp_path / 'job'}", env=env)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(line), done.stderr[-2000:]
+    assert not (tmp_path / "job" / "predictions.jsonl").exists()
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ continues with its target modification), and the paper's claimed optimum C_L(K).
 enumeration in verifiers/reference.py.
 """
 
+import argparse
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -53,7 +55,8 @@ def instance_table(title, p, q, L, K):
     return table
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="python -m spectr_gbv.audit", description=__doc__.splitlines()[0]).parse_args(argv)
     console = Console(width=100)  # the widest table, even when piped (rich assumes 80 columns then)
     console.print(Text("Exact audit (enumeration, float64). E[tau]: mean accepted draft tokens of one iteration; "
                        "of bound: E[tau] / sum_t alpha*_t with that K, which no lossless verifier can exceed; "

@@ -13,6 +13,8 @@ import argparse
 import torch
 from torch.utils.benchmark import Timer
 
+from .bench_engine import machine
+
 from .verifiers import VERIFIERS, build_verifier
 
 NAMES = [name for name in VERIFIERS if name != "spectr_gbv"]  # an alias, not another kernel
@@ -63,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds of timing per measurement")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"machine: {machine('float32')}")
     for B, K, L, V in [(1, 4, 8, 151_936), (10_000, 3, 3, 3)]:
         print(f"\nB={B} K={K} L={L} V={V} float32: one call, and its ratio to one softmax of target_probs' size")
         print(f"{'verifier':28s} {'ms/call':>10s} {'x softmax':>10s}")

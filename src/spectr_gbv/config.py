@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import rich
+import torch
 import rich.syntax
 import rich.tree
 from hydra.core.config_store import ConfigStore
@@ -16,6 +17,7 @@ from hydra.errors import (ConfigCompositionException, InstantiationException, Mi
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from spectr_gbv.models import ModelUnavailable
 from spectr_gbv.verifiers import VERIFIERS
 
 
@@ -69,6 +71,8 @@ def validate(cfg: DictConfig) -> None:
         ("top_k", cfg.top_k >= 0, "must be >= 0 (0 = off)"),
         ("top_p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
         ("max_new_tokens", cfg.max_new_tokens >= 1, "must be >= 1"),
+        ("block_length", cfg.block_length <= cfg.max_new_tokens,
+         f"must be <= max_new_tokens ({cfg.max_new_tokens}): a longer draft can never be emitted"),
         ("batch_size", cfg.batch_size >= 1, "must be >= 1"),
         ("limit", cfg.limit is None or cfg.limit >= 1, "must be >= 1, or null for every prompt"),
     ]
@@ -85,6 +89,9 @@ def validate(cfg: DictConfig) -> None:
                               f"verifier {name} takes at most {max_drafts} draft(s)")
     for side in ("model", "drafter"):
         check_model_path(side, cfg[side])
+    if cfg.trainer.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+        raise ConfigError("trainer.accelerator", cfg.trainer.accelerator,
+                          "no CUDA device here (or torch is a CPU build); use trainer=cpu or trainer=ddp_cpu")
 
 
 def check_model_path(side: str, model: DictConfig) -> None:
@@ -102,7 +109,7 @@ def check_model_path(side: str, model: DictConfig) -> None:
 
 def error_line(error: Exception) -> Optional[str]:
     """The one line shown for a user's mistake, or None when `error` is a bug (shown with its traceback)."""
-    if isinstance(error, ConfigError):
+    if isinstance(error, (ConfigError, ModelUnavailable)):
         return f"error: {error}"
     if isinstance(error, InstantiationException) and isinstance(error.__cause__, ConfigError):
         return f"error: {error.__cause__}"  # e.g. raised by a dataset loader that instantiate() called

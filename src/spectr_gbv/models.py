@@ -34,6 +34,10 @@ class LoadedModel:
     name: str
 
 
+class ModelUnavailable(OSError):
+    """A hub id that cannot be loaded here (no network, or no such model): the user's input, not a bug."""
+
+
 def torch_dtype(dtype: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not allowed; use one of {', '.join(DTYPES)}")
@@ -63,8 +67,15 @@ def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file
         # Unpack the quantized blocks into plain weights of the requested dtype: the verifiers need real float32 or
         # float64 matmuls for exactness, and packed GGUF kernels are fetched from the hub at run time.
         kwargs = {"gguf_file": gguf_file, "quantization_config": transformers.GgufConfig(dequantize=True)}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch_dtype(dtype), device_map=device, **kwargs)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype(dtype), device_map=device, **kwargs)
+    except OSError as error:
+        if local.is_dir():  # a local folder: its own error says what is wrong with it
+            raise
+        raise ModelUnavailable(f"path={path}: not a local folder or .gguf file, and the hub could not give it "
+                               f"({str(error).splitlines()[0]}); give a local model folder or .gguf file, or run "
+                               "where the hub is reachable") from error
     tokenizer = transformers.AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
     name = Path(gguf_file).stem if gguf_file else Path(path).name
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name)
