@@ -34,9 +34,10 @@ def evaluate(cfg: DictConfig) -> float:
     validate(cfg)  # before anything heavy is imported or loaded
     from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from spectr_gbv.data import PromptDataModule
-    from spectr_gbv.module import SpeculativeEvaluation, claim_folder
+    from spectr_gbv.module import SpeculativeEvaluation, claim_folder, print_summary
     from spectr_gbv.sampling import Sampling
 
     if HydraConfig.get().mode == RunMode.MULTIRUN and "group" in (cfg.logger or {}) and cfg.logger.group is None:
@@ -65,9 +66,13 @@ def evaluate(cfg: DictConfig) -> float:
     if logger:
         start_logger(logger, cfg)
     try:
-        trainer.test(module, datamodule=datamodule)
+        trainer.test(module, datamodule=datamodule, verbose=False)  # verbose: Lightning's raw metrics table
+    except SIGTERMException:  # Lightning's, a SystemExit with status 0: a stopped job must not look finished
+        sys.exit(f"error: stopped by SIGTERM; every finished prompt's record is kept in {cfg.output_dir}: rerun the "
+                 f"same command with hydra.run.dir={cfg.output_dir} to resume")
     finally:
-        finish_wandb()  # each multirun job is its own W&B run
+        wandb_dir = finish_wandb()  # each multirun job is its own W&B run
+    rank_zero_only(print_summary)(module.summary, Path(cfg.output_dir), wandb_dir)
     return module.summary.get("metrics", {}).get("overall", {}).get("block_efficiency", float("nan"))
 
 
@@ -82,12 +87,16 @@ def start_logger(logger, cfg: DictConfig) -> None:
                           "or use logger.mode=offline (the default)") from error
 
 
-def finish_wandb() -> None:
+def finish_wandb() -> str | None:
+    """Finish this job's W&B run, if one started; returns the folder it was written to."""
     if "wandb" in sys.modules:
         import wandb
 
         if wandb.run is not None:
+            folder = str(Path(wandb.run.dir).parent)
             wandb.finish()
+            return folder
+    return None
 
 
 if __name__ == "__main__":

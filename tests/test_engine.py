@@ -135,6 +135,15 @@ def test_a_block_is_cut_at_eos(greedy_pair, greedy_reference):
     assert record.new_tokens == EOS_STEP + 1 and record.output_ids[-1] in engine.eos_ids
 
 
+def test_the_target_scores_each_distinct_trie_node_once(greedy_pair):
+    """K = 3 greedy drafts are one path: each pass scores its root and L nodes, not K x (L + 1) positions."""
+    target, drafter, prompts = greedy_pair
+    with pytest.warns(UserWarning, match="draft_temperature"):
+        engine = SpeculativeEngine(target, drafter, "gbv", num_drafts=3, block_length=4, sampling=Sampling(0.0))
+    for record in engine.generate_batch(prompts, MAX_NEW, generators(len(prompts))):
+        assert record.target_positions == record.target_calls * (1 + 4)
+
+
 def check_record(record, K, L, max_new_tokens):
     """Every iteration but the last emits accepted + 1 tokens; the last may be cut at EOS or max_new_tokens."""
     assert record.new_tokens == len(record.output_ids) <= max_new_tokens
@@ -143,7 +152,9 @@ def check_record(record, K, L, max_new_tokens):
     before_last = sum(record.accepted_lengths[:-1]) + record.target_calls - 1
     assert 1 <= record.new_tokens - before_last <= record.accepted_lengths[-1] + 1
     assert record.block_efficiency >= 1
-    assert 0 <= record.draft_time + record.target_time + record.verify_time <= record.total_time
+    assert record.target_calls <= record.target_positions <= record.target_calls * (1 + K * L)  # the trie's size
+    parts = record.prefill_time + record.draft_time + record.target_time + record.verify_time
+    assert 0 < parts <= record.total_time
 
 
 # ---- sampling identity -----------------------------------------------------------------------------------------

@@ -17,12 +17,14 @@ from conftest import ROOT, TINY
 GREEDY = ["temperature=0", "draft_temperature=1", "num_drafts=2", "block_length=3", "limit=5"]
 
 
-def run_py(*args: str, env: dict | None = None, background: bool = False):
+def run_py(*args: str, env: dict | None = None, background: bool = False, stderr: Path | None = None):
+    """Run run.py on tiny models; in the background, its stderr goes to the file `stderr` (or nowhere)."""
     flags = [arg for arg in args if arg.startswith("-")]  # e.g. -m: Hydra wants flags before the overrides
     command = [sys.executable, "run.py", *flags, *TINY, *[arg for arg in args if arg not in flags]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if background:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        errors = stderr.open("w") if stderr else subprocess.DEVNULL
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors)
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -112,6 +114,17 @@ def test_multirun_with_wandb_offline(tmp_path):
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_sweep_runs_through_the_submitit_launcher(tmp_path):
+    """The cluster path: the same launcher plugin as SLURM (hydra/launcher=submitit_slurm), as local processes."""
+    sweep = tmp_path / "sweep"
+    done = run_py("-m", "hydra/launcher=submitit_local", "seed=0,1", "limit=2", f"hydra.sweep.dir={sweep}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summaries = [json.loads((sweep / job / "summary.json").read_text()) for job in ("0", "1")]
+    assert [summary["seed"] for summary in summaries] == [0, 1]
+    assert all(summary["metrics"]["overall"]["prompts"] == 2 for summary in summaries)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
 def test_killed_job_keeps_its_records_and_resumes(batch_size, tmp_path):
     job = ["limit=6", "max_new_tokens=32", f"batch_size={batch_size}", f"hydra.run.dir={tmp_path}"]
     process = run_py(*job, background=True)
@@ -129,6 +142,31 @@ def test_killed_job_keeps_its_records_and_resumes(batch_size, tmp_path):
     assert predictions.read_text().startswith(kept)  # nothing recorded is lost or decoded again
     assert sorted(records(tmp_path)) == [("tiny", index) for index in range(6)]
     assert json.loads((tmp_path / "summary.json").read_text())["metrics"]["overall"]["prompts"] == 6
+
+
+@pytest.mark.parametrize("signum, sweep", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_a_signal_stops_a_run_promptly_keeping_its_records(signum, sweep, tmp_path):
+    """SIGTERM (a cluster's preemption) and SIGINT (Ctrl-C) end a run or a sweep within 10 s with a non-zero
+    status; every record written is kept, and the same command resumes."""
+    folder = tmp_path / ("sweep/0" if sweep else "job")
+    where = [f"hydra.sweep.dir={tmp_path / 'sweep'}", "-m", "seed=0,1"] if sweep else [f"hydra.run.dir={folder}"]
+    job = ["limit=6", "max_new_tokens=128", "batch_size=2", *where]
+    process = run_py(*job, background=True, stderr=tmp_path / "stderr.txt")
+    predictions = folder / "predictions.jsonl"
+    while process.poll() is None and not (predictions.exists() and predictions.read_text().count("\n") >= 1):
+        time.sleep(0.02)
+    process.send_signal(signum)
+    sent = time.monotonic()
+    process.wait(timeout=30)
+    assert time.monotonic() - sent < 10 and process.returncode != 0
+    assert not (folder / "summary.json").exists(), "the job finished before the signal"
+    kept = predictions.read_text()
+    assert 1 <= kept.count("\n") < 6 and "Traceback" not in (tmp_path / "stderr.txt").read_text()
+    if signum == signal.SIGTERM:
+        assert (tmp_path / "stderr.txt").read_text().strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
+    done = run_py(*job)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert predictions.read_text().startswith(kept) and len(records(folder)) == 6
 
 
 def test_a_folder_with_another_jobs_records_is_refused_and_kept(tmp_path):

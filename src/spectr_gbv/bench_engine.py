@@ -103,6 +103,18 @@ class Row:
     def block_efficiency(self) -> float:
         return self.total("new_tokens") / self.total("target_calls")
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens/s after the prefill (`ar`'s prefill call emits the first token, counted with the prefill)."""
+        prefill_tokens = len(self.records) if self.num_drafts == 0 else 0
+        return (self.total("new_tokens") - prefill_tokens) / (self.total("total_time") - self.total("prefill_time"))
+
+    @property
+    def trie_positions(self) -> int:
+        """Positions of the mean target pass after the prefill (1 + distinct trie nodes), rounded."""
+        calls = self.total("target_calls") - (len(self.records) if self.num_drafts == 0 else 0)
+        return max(1, round(self.total("target_positions") / calls))
+
 
 def load_pair(use_tiny: bool, dtype: str) -> tuple[LoadedModel, LoadedModel]:
     if use_tiny:
@@ -198,31 +210,32 @@ def forward_seconds(model, context: list[int], width: int, repeats: int) -> floa
     return statistics.median(seconds[1:])
 
 
-@dataclass
 class Costs:
-    """Bare forward seconds: target_pass[K] of 1 + K*L positions (K = 0: the one position of an `ar` step),
-    draft_step[K] of K positions (each drafter step after the first feeds at most K)."""
-    target_pass: dict[int, float]
-    draft_step: dict[int, float]
-    block_length: int
+    """Bare forward seconds over a cache holding the first prompt, measured once per width and kept:
+    target(n) of n positions (1: an `ar` step), drafter(n) of n positions (each drafter step feeds at most K)."""
 
-    @property
-    def ar(self) -> float:
-        return self.target_pass[0]
+    def __init__(self, target, drafter, context: list[int], block_length: int, repeats: int):
+        self.models, self.context, self.block_length, self.repeats = (target, drafter), context, block_length, repeats
+        self.seconds: dict[tuple[int, int], float] = {}
+
+    def _bare(self, side: int, width: int) -> float:
+        if (side, width) not in self.seconds:
+            self.seconds[(side, width)] = forward_seconds(self.models[side].model, self.context, width, self.repeats)
+        return self.seconds[(side, width)]
+
+    def target(self, width: int) -> float:
+        return self._bare(0, width)
+
+    def drafter(self, width: int) -> float:
+        return self._bare(1, width)
 
     def limit(self, row: Row) -> float:
-        """The speedup over `ar` if each iteration cost only its bare passes and `ar` only its bare step."""
-        K = row.num_drafts
-        if K == 0:
+        """The speedup over `ar` if each iteration cost only its bare passes (the target over the trie size the
+        run actually scored, on average) and `ar` only its bare step."""
+        if row.num_drafts == 0:
             return 1.0
-        return row.block_efficiency * self.ar / (self.target_pass[K] + self.block_length * self.draft_step[K])
-
-
-def measure_costs(target, drafter, context, block_length, max_drafts, repeats) -> Costs:
-    return Costs({K: forward_seconds(target.model, context, 1 + K * block_length, repeats)
-                  for K in range(max_drafts + 1)},
-                 {K: forward_seconds(drafter.model, context, K, repeats) for K in range(1, max_drafts + 1)},
-                 block_length)
+        return row.block_efficiency * self.target(1) / (self.target(row.trie_positions)
+                                                       + self.block_length * self.drafter(row.num_drafts))
 
 
 # --- batch throughput ----------------------------------------------------------------------------------------------
@@ -288,35 +301,41 @@ def report_greedy(rows: list[Row], title: str, console: Console) -> None:
 def report_sampling(rows: list[Row], costs: Costs, title: str, console: Console) -> None:
     ar = rows[0]
     table = new_table(f"Sampling (T=1): speedup vs the cost-model limit\n{title}",
-                      ["method", "tokens", "tok/s", "speedup vs ar", "block eff.", "limit", "share", "total s"])
+                      ["method", "tokens", "tok/s", "speedup vs ar", "after prefill", "block eff.", "trie pos.",
+                       "limit", "share", "total s"])
     for row in rows:
-        speedup = row.tokens_per_second / ar.tokens_per_second
+        speedup = row.decode_tokens_per_second / ar.decode_tokens_per_second
         table.add_row(row.method, str(int(row.total("new_tokens"))), f"{row.tokens_per_second:.2f}",
-                      f"{speedup:.2f}x", f"{row.block_efficiency:.2f}", f"{costs.limit(row):.2f}x",
+                      f"{row.tokens_per_second / ar.tokens_per_second:.2f}x", f"{speedup:.2f}x",
+                      f"{row.block_efficiency:.2f}", str(row.trie_positions), f"{costs.limit(row):.2f}x",
                       f"{speedup / costs.limit(row):.0%}", f"{row.total('total_time'):.2f}")
     console.print(table)
     # The share is relative to ar, which has overheads of its own: say how far ar is from its bare step.
-    console.print(f"ar itself runs at {ar.tokens_per_second * costs.ar:.0%} of its bare limit 1 / t_ar = "
-                  f"{1 / costs.ar:.2f} tokens/s")
+    console.print(f"Share: the speedup after the prefill over its limit. ar itself runs at "
+                  f"{ar.decode_tokens_per_second * costs.target(1):.0%} of its bare limit 1 / t_ar = "
+                  f"{1 / costs.target(1):.2f} tokens/s after the prefill")
 
 
 def report_costs(rows: list[Row], costs: Costs, context_length: int, repeats: int, title: str,
                  console: Console) -> None:
-    """Bare passes next to what the engine spends per iteration on each side (prefill included, spread over the
-    iterations), so the gap between share and 100% can be pinned on the target side, the drafter or the rest."""
+    """Bare passes next to what the engine spends per iteration on each side after the prefill, so the gap between
+    share and 100% can be pinned on the target side, the drafter or the rest."""
     L = costs.block_length
     table = new_table(f"Bare forwards in one row over a cache of {context_length} prompt tokens (median of {repeats}; "
-                      f"drafter: L={L} steps) vs the engine's ms per iteration at T=1, prefill included\n{title}",
+                      f"drafter: L={L} steps of K positions) vs the engine's ms per iteration at T=1 after the "
+                      f"prefill\n{title}",
                       ["method", "target pos.", "target bare ms", "target engine ms", "draft pos.", "draft bare ms",
                        "draft engine ms", "verify ms", "other ms"])
     for row in rows:
         K = row.num_drafts
-        engine = {key: row.per_call_ms(key) for key in ("target_time", "draft_time", "verify_time", "total_time")}
+        calls = row.total("target_calls") - (len(row.records) if K == 0 else 0)
+        engine = {key: 1e3 * row.total(key) / calls for key in ("target_time", "draft_time", "verify_time")}
+        engine["total_time"] = 1e3 * (row.total("total_time") - row.total("prefill_time")) / calls
         other = 2 * engine["total_time"] - sum(engine.values())  # bookkeeping: cache keep/compact, emitting tokens
         drafter = ["-", "-", "-"] if K == 0 else [
-            str(K), f"{1e3 * L * costs.draft_step[K]:.1f}", f"{engine['draft_time']:.1f}"]
-        table.add_row(row.method, str(1 + K * L), f"{1e3 * costs.target_pass[K]:.1f}", f"{engine['target_time']:.1f}",
-                      *drafter, f"{engine['verify_time']:.1f}", f"{other:.1f}")
+            str(K), f"{1e3 * L * costs.drafter(K):.1f}", f"{engine['draft_time']:.1f}"]
+        table.add_row(row.method, str(row.trie_positions), f"{1e3 * costs.target(row.trie_positions):.1f}",
+                      f"{engine['target_time']:.1f}", *drafter, f"{engine['verify_time']:.1f}", f"{other:.1f}")
     console.print(table)
 
 
@@ -378,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         warm, 2, [torch.Generator().manual_seed(i) for i in range(len(warm))])
     transformers_method(target, 2, drafter, L)(prompts[0], 0)
 
-    costs = measure_costs(target, drafter, prompts[0], L, args.max_drafts, args.repeats)
+    costs = Costs(target, drafter, prompts[0], L, args.repeats)
     rows = benchmark(target, drafter, prompts, n, L, args.max_drafts, console)
     runs = batch_throughput(target, drafter, batch_prompts, n, L, console)
 

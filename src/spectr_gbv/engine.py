@@ -41,6 +41,10 @@ class DecodeRecord:
     target_calls: int = 0  # target passes that emit tokens: one per iteration (ar: per token, prefill included)
     accepted_lengths: list[int] = field(default_factory=list)  # per iteration, as the verifier decided
     draft_indices: list[int] = field(default_factory=list)  # per iteration, the winning draft
+    target_positions: int = 0  # positions the target scored after the prefill: 1 + distinct trie nodes per iteration
+    # total_time = prefill_time (both models reading the prompt; ar: its first call, which emits a token) +
+    # draft_time + target_time + verify_time (the iterations' parts) + bookkeeping
+    prefill_time: float = 0.0
     draft_time: float = 0.0
     target_time: float = 0.0
     verify_time: float = 0.0
@@ -51,30 +55,44 @@ class DecodeRecord:
         return self.new_tokens / self.target_calls
 
 
+class Stopped(Exception):
+    """generate_batch was asked to stop (should_stop() returned True); finished prompts were reported already."""
+
+
 class Rows:
     """The prompts of a batch that are still decoding, in the order of the models' batch rows: their committed
     ids and generators, and every prompt's record."""
 
     def __init__(self, prompts: list[list[int]], generators: list[torch.Generator], max_new_tokens: int,
-                 eos_ids: set[int], on_finish: Callable[[int, DecodeRecord], None] | None):
+                 eos_ids: set[int], on_finish: Callable[[int, DecodeRecord], None] | None,
+                 should_stop: Callable[[], bool] | None):
         self.ids = [list(prompt) for prompt in prompts]
         self.generators = list(generators)
         self.records = [DecodeRecord() for _ in prompts]
         self.active = list(range(len(prompts)))  # the prompt index of each row
         self.max_new_tokens, self.eos_ids, self.on_finish = max_new_tokens, eos_ids, on_finish
+        self.should_stop = should_stop
 
     def __len__(self) -> int:
         return len(self.active)
+
+    def going_on(self) -> bool:
+        """True while some prompt is unfinished; checked before every iteration, so a stop takes one iteration."""
+        if self.active and self.should_stop is not None and self.should_stop():
+            raise Stopped(f"stopped with {len(self.active)} of {len(self.records)} prompts unfinished")
+        return bool(self.active)
 
     def charge(self, key: str, seconds: float) -> None:
         for index in self.active:
             record = self.records[index]
             setattr(record, key, getattr(record, key) + seconds / len(self.active))
 
-    def count_iteration(self, accepted: list[int] | None = None, drafts: list[int] | None = None) -> None:
+    def count_iteration(self, positions: list[int], accepted: list[int] | None = None,
+                        drafts: list[int] | None = None) -> None:
         for row, index in enumerate(self.active):
             record = self.records[index]
             record.target_calls += 1
+            record.target_positions += positions[row]
             if accepted is not None:
                 record.accepted_lengths.append(accepted[row])
                 record.draft_indices.append(drafts[row])
@@ -130,16 +148,18 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, generators: list[torch.Generator],
-                       on_finish: Callable[[int, DecodeRecord], None] | None = None) -> list[DecodeRecord]:
+                       on_finish: Callable[[int, DecodeRecord], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> list[DecodeRecord]:
         """Decode the prompts together, prompt i with generators[i]; on_finish(i, record) is called as soon as
-        prompt i is done (records are final then)."""
+        prompt i is done (records are final then). When should_stop() turns True, raises Stopped before the next
+        iteration."""
         if not prompts or any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         if len(generators) != len(prompts):
             raise ValueError(f"got {len(generators)} generators for {len(prompts)} prompts: give one per prompt")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} is not allowed: must be >= 1")
-        rows = Rows(prompts, generators, max_new_tokens, self.eos_ids, on_finish)
+        rows = Rows(prompts, generators, max_new_tokens, self.eos_ids, on_finish, should_stop)
         if self.verifier is None:
             self._autoregressive(rows)
         else:
@@ -149,12 +169,14 @@ class SpeculativeEngine:
     def _autoregressive(self, rows: Rows) -> None:
         cache = SlotCache(self.target, len(rows))
         pending = rows.ids  # tokens the target has not seen yet: the prompts, then each sampled token
-        while rows:
+        prefill = True
+        while rows.going_on():
             tick = time.perf_counter()
             tokens = sample(self._target_warp(cache.append(pending)), rows.generators).tolist()
-            rows.charge("target_time", time.perf_counter() - tick)
-            rows.charge("total_time", time.perf_counter() - tick)
-            rows.count_iteration()
+            for key in ("prefill_time" if prefill else "target_time", "total_time"):
+                rows.charge(key, time.perf_counter() - tick)
+            rows.count_iteration([0 if prefill else 1] * len(rows))
+            prefill = False
             going = rows.emit([[token] for token in tokens])
             if not rows:
                 return
@@ -171,18 +193,16 @@ class SpeculativeEngine:
         target, drafter = SlotCache(self.target, len(rows)), SlotCache(self.drafter, len(rows))
         tick = time.perf_counter()
         target.append([ids[:-1] for ids in rows.ids])
-        tock = time.perf_counter()
         drafter.append([ids[:-1] for ids in rows.ids])
-        rows.charge("target_time", tock - tick)
-        rows.charge("draft_time", time.perf_counter() - tock)
+        rows.charge("prefill_time", time.perf_counter() - tick)
         rows.charge("total_time", time.perf_counter() - tick)
         state = None
-        while rows:
+        while rows.going_on():
             tick = time.perf_counter()
             target_start, drafter_start = target.size, drafter.size
             tokens, q = self._draft(drafter, rows)
             tock = time.perf_counter()
-            p, first = self._score(target, rows, tokens)
+            p, first, positions = self._score(target, rows, tokens)
             tack = time.perf_counter()
             dtype = torch.promote_types(p.dtype, q.dtype)
             out = self.verifier(tokens, q.to(dtype), p.to(dtype), generator=rows.generators, state=state)
@@ -199,7 +219,7 @@ class SpeculativeEngine:
             drafter.keep(drafter_start, on_path(drafter.label[:, drafter_start:], first, winner,
                                                 accepted.clamp(max=self.block_length - 1)))
             rows.charge("total_time", time.perf_counter() - tick)
-            rows.count_iteration(accepted.tolist(), winner.tolist())
+            rows.count_iteration(positions, accepted.tolist(), winner.tolist())
             state = out.state
             going = rows.emit(emitted)
             if not rows:
@@ -232,10 +252,10 @@ class SpeculativeEngine:
             probs.append(q)
         return torch.stack(drafted, -1), torch.stack(probs, 2)
 
-    def _score(self, cache: SlotCache, rows: Rows, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    def _score(self, cache: SlotCache, rows: Rows, tokens: Tensor) -> tuple[Tensor, Tensor, list[int]]:
         """Warped target p [B, K, L+1, V] at every prefix of every draft (the last is the bonus distribution), from
-        one pass over each row's root (its last committed token) and the distinct nodes of its trie; and the trie's
-        `first` [B, K, L]."""
+        one pass over each row's root (its last committed token) and the distinct nodes of its trie; the trie's
+        `first` [B, K, L]; and each row's number of positions scored."""
         B, K, L = tokens.shape
         first = representatives(tokens, L)
         draft, depth, real, slot = nodes_at(first, range(L))
@@ -246,7 +266,7 @@ class SpeculativeEngine:
         position = cache.lengths[:, None] + torch.cat([torch.zeros_like(roots), 1 + depth], 1)
         probs = self._target_warp(cache.forward(inputs, label, position, first))  # [B, 1 + nodes, V]
         slots = torch.cat([torch.zeros_like(slot[..., :1]), 1 + slot], -1)  # the root, then k's node at each depth
-        return probs[batch[..., None], slots], first
+        return probs[batch[..., None], slots], first, (1 + real.sum(1)).tolist()
 
     def _target_warp(self, logits: Tensor) -> Tensor:
         return warp(logits, self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from spectr_gbv.config import ConfigError
-from spectr_gbv.engine import DecodeRecord, SpeculativeEngine
+from spectr_gbv.engine import DecodeRecord, SpeculativeEngine, Stopped
 from spectr_gbv.models import LoadedModel
 from spectr_gbv.sampling import Sampling
 
@@ -72,7 +73,10 @@ class SpeculativeEvaluation(LightningModule):
     def test_step(self, batch: list[dict], batch_idx: int) -> None:
         todo = [prompt for prompt in batch if (prompt["dataset"], prompt["prompt_id"]) not in self.recorded]
         if todo:
-            self.decode(todo)
+            try:
+                self.decode(todo)
+            except Stopped as stopped:  # every finished prompt is recorded; the rest are decoded again on resume
+                raise SIGTERMException() from stopped
         for prompt in batch:
             self.count(self.recorded[(prompt["dataset"], prompt["prompt_id"])])
 
@@ -81,7 +85,8 @@ class SpeculativeEvaluation(LightningModule):
         prompt_ids = [self.prompt_ids(prompt["prompt"]) for prompt in prompts]
         baseline = None
         if self.ar_engine is not None:  # same prompts, same seeds, same batch: the speedup compares like with like
-            baseline = self.ar_engine.generate_batch(prompt_ids, self.max_new_tokens, self.generators(prompts))
+            baseline = self.ar_engine.generate_batch(prompt_ids, self.max_new_tokens, self.generators(prompts),
+                                                     should_stop=self.stop_requested)
 
         def write(index: int, out: DecodeRecord) -> None:
             prompt = prompts[index]
@@ -93,7 +98,13 @@ class SpeculativeEvaluation(LightningModule):
             os.write(self.predictions, (json.dumps(record) + "\n").encode())  # one write: a kill cannot split it
             self.recorded[(prompt["dataset"], prompt["prompt_id"])] = record
 
-        self.engine.generate_batch(prompt_ids, self.max_new_tokens, self.generators(prompts), on_finish=write)
+        self.engine.generate_batch(prompt_ids, self.max_new_tokens, self.generators(prompts), on_finish=write,
+                                   should_stop=self.stop_requested)
+
+    def stop_requested(self) -> bool:
+        """Lightning's SIGTERM handler only flags the trainer and its loop checks between batches, which can take
+        minutes: the engine checks the flag between iterations instead."""
+        return self.trainer.received_sigterm
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """Token ids of the prompt, through the target's chat template when it has one (tiny models: plain)."""
@@ -163,7 +174,8 @@ def claim_folder(folder: Path, knobs: dict) -> None:
 def decode_record_fields(out: DecodeRecord) -> dict:
     return {"output_ids": out.output_ids, "new_tokens": out.new_tokens, "target_calls": out.target_calls,
             "accepted_lengths": out.accepted_lengths, "draft_indices": out.draft_indices,
-            "times": {key: getattr(out, key) for key in TIMES}}
+            "target_positions": out.target_positions,
+            "times": {key: getattr(out, key) for key in (*TIMES, "prefill_time")}}
 
 
 def scalars(metrics: dict) -> dict[str, float]:
@@ -258,3 +270,26 @@ def log_to_wandb(logger: WandbLogger, overall: dict, folder: Path) -> None:
     rows = [[r["dataset"], r["prompt_id"], r["prompt"], r["output"], r["new_tokens"], r["target_calls"],
              r["new_tokens"] / r["target_calls"]] for r in records_in(folder / "predictions.jsonl").values()]
     logger.log_table(key="predictions", columns=columns, data=rows)
+
+
+def print_summary(summary: dict, folder: Path, wandb_dir: str | None) -> None:
+    """What a person reads at the end of a run: per dataset, the block efficiency with its standard error, the mean
+    accepted length, tokens/s and the speedup when measured; then where the files are."""
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (f"{summary['verifier']}, K={summary['num_drafts']}, L={summary['block_length']}, "
+             f"T={summary['temperature']}, {summary['model']} <- {summary['drafter']}")
+    table = Table(title=title, title_justify="left")
+    for column in ("dataset", "prompts", "block efficiency", "mean accepted", "tokens/s", "speedup vs ar"):
+        table.add_column(column, justify="left" if column == "dataset" else "right")
+    for name, m in summary["metrics"].items():
+        se = f" ± {m['block_efficiency_se']:.2f}" if m["prompts"] > 1 else ""
+        speedup = f"{m['speedup']:.2f}x" if "speedup" in m else "-"
+        table.add_row(name, str(m["prompts"]), f"{m['block_efficiency']:.2f}{se}",
+                      f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.2f}", speedup)
+    console = Console()
+    console.print(table)
+    console.print(f"records: {folder / 'predictions.jsonl'}\nsummary: {folder / 'summary.json'}")
+    if wandb_dir is not None:
+        console.print(f"W&B run: {wandb_dir}")
