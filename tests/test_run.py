@@ -113,7 +113,6 @@ def test_multirun_with_wandb_offline(tmp_path):
         assert list(run.parent.glob("files/media/table/predictions_*.table.json"))
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
 def test_a_sweep_runs_through_the_submitit_launcher(tmp_path):
     """The cluster path: the same launcher plugin as SLURM (hydra/launcher=submitit_slurm), as local processes."""
     sweep = tmp_path / "sweep"
