@@ -4,8 +4,10 @@ Composes conf/config.yaml, checks it, then lets Lightning's test loop decode eve
 Each job writes predictions.jsonl and summary.json into its Hydra output folder; rerun with
 hydra.run.dir=<that folder> to finish a job that was interrupted.
 """
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -31,7 +33,8 @@ def main(cfg: DictConfig) -> float:
 
 
 def evaluate(cfg: DictConfig) -> float:
-    validate(cfg)  # before anything heavy is imported or loaded
+    validate(cfg)  # before any model loads
+    quiet_third_party()
     from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -74,6 +77,14 @@ def evaluate(cfg: DictConfig) -> float:
         wandb_dir = finish_wandb()  # each multirun job is its own W&B run
     rank_zero_only(print_summary)(module.summary, Path(cfg.output_dir), wandb_dir)
     return module.summary.get("metrics", {}).get("overall", {}).get("block_efficiency", float("nan"))
+
+
+def quiet_third_party() -> None:
+    """Lightning's advertisement for its cloud logger and a deprecation inside Lightning's own use of torch's pytree
+    say nothing about this run; everything else they log stays (it is in run.log too)."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not record.getMessage().startswith("💡 Tip"))
 
 
 def start_logger(logger, cfg: DictConfig) -> None:

@@ -61,6 +61,19 @@ def test_run_writes_predictions_and_summary(single):
     assert (single / ".hydra" / "config.yaml").exists() and (single / "csv" / "metrics.csv").exists() is False
 
 
+def test_a_run_ends_with_a_short_summary(tmp_path):
+    done = run_py("limit=2", "logger=wandb", f"hydra.run.dir={tmp_path}",
+                  env={"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-3:-1] == [f"records: {tmp_path / 'predictions.jsonl'}", f"summary: {tmp_path / 'summary.json'}"]
+    assert lines[-1].startswith(f"W&B run: {tmp_path / 'wandb'}/offline-run-")
+    table = "\n".join(lines[-12:])
+    assert "block" in table and "± " in table and "tokens/s" in table
+    assert "Tip" not in done.stderr + done.stdout and "LeafSpec" not in done.stderr  # third-party noise
+    assert "test_metric" not in done.stdout.lower() and "DataLoader 0" not in done.stdout  # Lightning's raw table
+
+
 def test_ddp_on_cpu_equals_one_process(single, tmp_path):
     done = run_py(*GREEDY, "baseline=true", "trainer=ddp_cpu", "trainer.devices=2", f"hydra.run.dir={tmp_path}")
     assert done.returncode == 0, done.stderr[-3000:]

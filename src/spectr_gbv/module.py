@@ -283,13 +283,15 @@ def print_summary(summary: dict, folder: Path, wandb_dir: str | None) -> None:
     table = Table(title=title, title_justify="left")
     for column in ("dataset", "prompts", "block efficiency", "mean accepted", "tokens/s", "speedup vs ar"):
         table.add_column(column, justify="left" if column == "dataset" else "right")
-    for name, m in summary["metrics"].items():
+    metrics = summary["metrics"]
+    for name, m in metrics.items():
+        if name == "overall" and len(metrics) == 2:  # one dataset: its row is the overall one
+            continue
         se = f" ± {m['block_efficiency_se']:.2f}" if m["prompts"] > 1 else ""
         speedup = f"{m['speedup']:.2f}x" if "speedup" in m else "-"
         table.add_row(name, str(m["prompts"]), f"{m['block_efficiency']:.2f}{se}",
                       f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.2f}", speedup)
-    console = Console()
-    console.print(table)
-    console.print(f"records: {folder / 'predictions.jsonl'}\nsummary: {folder / 'summary.json'}")
+    Console().print(table)
+    print(f"records: {folder / 'predictions.jsonl'}\nsummary: {folder / 'summary.json'}")  # paths unwrapped
     if wandb_dir is not None:
-        console.print(f"W&B run: {wandb_dir}")
+        print(f"W&B run: {wandb_dir}")
