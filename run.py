@@ -94,8 +94,8 @@ def start_logger(logger, cfg: DictConfig) -> None:
     except Exception as error:
         if type(error).__name__ != "UsageError" or not type(error).__module__.startswith("wandb"):
             raise
-        raise ConfigError("logger.mode", cfg.logger.get("mode"), f"W&B cannot start: {error} Run `wandb login`, "
-                          "or use logger.mode=offline (the default)") from error
+        raise ConfigError("logger.mode", cfg.logger.get("mode"), f"W&B cannot start online ({error}); log in with "
+                          "`wandb login`, or use logger.mode=offline (the default)") from error
 
 
 def finish_wandb() -> str | None:

@@ -219,7 +219,7 @@ def test_bad_input_is_one_line(override, line, tmp_path):
     (["model=hf", "model.path=someorg/somemodel"], {"HF_HUB_OFFLINE": "1"},
      "error: path=someorg/somemodel: not a local folder or .gguf file, and the hub could not give it"),
     (["logger=wandb", "logger.mode=online"], {},
-     "error: logger.mode=online: W&B cannot start: No API key configured."),
+     "error: logger.mode=online: W&B cannot start online (No API key configured."),
 ])
 def test_environment_mistakes_are_one_line(overrides, env, line, tmp_path):
     if overrides == ["trainer=gpu"] and torch.cuda.is_available():
