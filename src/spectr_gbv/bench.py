@@ -14,7 +14,6 @@ import torch
 from torch.utils.benchmark import Timer
 
 from .bench_engine import machine
-
 from .verifiers import VERIFIERS, build_verifier
 
 NAMES = [name for name in VERIFIERS if name != "spectr_gbv"]  # an alias, not another kernel

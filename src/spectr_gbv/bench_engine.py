@@ -104,16 +104,23 @@ class Row:
         return self.total("new_tokens") / self.total("target_calls")
 
     @property
+    def prefill_calls(self) -> int:
+        """Target calls that were prefills: `ar`'s first call per prompt reads the prompt and emits a token."""
+        return len(self.records) if self.num_drafts == 0 else 0
+
+    @property
+    def decode_calls(self) -> float:
+        return self.total("target_calls") - self.prefill_calls
+
+    @property
     def decode_tokens_per_second(self) -> float:
         """Tokens/s after the prefill (`ar`'s prefill call emits the first token, counted with the prefill)."""
-        prefill_tokens = len(self.records) if self.num_drafts == 0 else 0
-        return (self.total("new_tokens") - prefill_tokens) / (self.total("total_time") - self.total("prefill_time"))
+        return (self.total("new_tokens") - self.prefill_calls) / (self.total("total_time") - self.total("prefill_time"))
 
     @property
     def trie_positions(self) -> int:
         """Positions of the mean target pass after the prefill (1 + distinct trie nodes), rounded."""
-        calls = self.total("target_calls") - (len(self.records) if self.num_drafts == 0 else 0)
-        return max(1, round(self.total("target_positions") / calls))
+        return max(1, round(self.total("target_positions") / self.decode_calls))
 
 
 def load_pair(use_tiny: bool, dtype: str) -> tuple[LoadedModel, LoadedModel]:
@@ -328,7 +335,7 @@ def report_costs(rows: list[Row], costs: Costs, context_length: int, repeats: in
                        "draft engine ms", "verify ms", "other ms"])
     for row in rows:
         K = row.num_drafts
-        calls = row.total("target_calls") - (len(row.records) if K == 0 else 0)
+        calls = row.decode_calls
         engine = {key: 1e3 * row.total(key) / calls for key in ("target_time", "draft_time", "verify_time")}
         engine["total_time"] = 1e3 * (row.total("total_time") - row.total("prefill_time")) / calls
         other = 2 * engine["total_time"] - sum(engine.values())  # bookkeeping: cache keep/compact, emitting tokens

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import rich
-import torch
 import rich.syntax
 import rich.tree
+import torch
 from hydra.core.config_store import ConfigStore
 from hydra.errors import (ConfigCompositionException, InstantiationException, MissingConfigException,
                           OverrideParseException)
