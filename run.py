@@ -1,6 +1,6 @@
 """Run one evaluation (or, with -m, a sweep of them): python run.py verifier=gbv num_drafts=4 dataset=all
 
-Composes conf/config.yaml, checks it, then lets Lightning's test loop decode every prompt (see spectr_gbv.module).
+Composes conf/config.yaml, checks it, then lets Lightning's test loop decode every prompt (see spectr_gbv.experiment.module).
 Each job writes predictions.jsonl and summary.json into its Hydra output folder; rerun with
 hydra.run.dir=<that folder> to finish a job that was interrupted.
 """
@@ -15,7 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from spectr_gbv.config import ConfigError, error_line, print_config_tree, validate
+from spectr_gbv.errors import ConfigError
+from spectr_gbv.experiment.config import error_line, print_config_tree, validate
 
 KNOBS = ("num_drafts", "block_length", "temperature", "draft_temperature", "top_k", "top_p", "max_new_tokens",
          "batch_size", "limit", "seed", "baseline")
@@ -39,9 +40,9 @@ def evaluate(cfg: DictConfig) -> float:
     from lightning.pytorch.utilities import rank_zero_only
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from spectr_gbv.data import PromptDataModule
-    from spectr_gbv.module import SpeculativeEvaluation, claim_folder, print_summary
-    from spectr_gbv.sampling import Sampling
+    from spectr_gbv.experiment.data import PromptDataModule
+    from spectr_gbv.experiment.module import SpeculativeEvaluation, claim_folder, print_summary
+    from spectr_gbv.decoding.sampling import Sampling
 
     if HydraConfig.get().mode == RunMode.MULTIRUN and "group" in (cfg.logger or {}) and cfg.logger.group is None:
         cfg.logger.group = Path(HydraConfig.get().sweep.dir).name  # the jobs of one sweep form one W&B group

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from spectr_gbv.bench_engine import cpu_name, main
+from spectr_gbv.tools.bench_engine import cpu_name, main
 
 
 @pytest.fixture

@@ -8,12 +8,13 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import open_dict
 
 from conftest import CONF, TINY
-from spectr_gbv.config import ConfigError, validate
-from spectr_gbv.models import LoadedModel
+from spectr_gbv.errors import ConfigError
+from spectr_gbv.experiment.config import validate
+from spectr_gbv.decoding.models import LoadedModel
 from spectr_gbv.verifiers import VERIFIERS
 
-MODEL_TARGETS = {"qwen": "spectr_gbv.models.packaged", "smollm2": "spectr_gbv.models.packaged",
-                 "hf": "spectr_gbv.models.pretrained", "tiny": "spectr_gbv.models.tiny"}
+MODEL_TARGETS = {"qwen": "spectr_gbv.decoding.models.packaged", "smollm2": "spectr_gbv.decoding.models.packaged",
+                 "hf": "spectr_gbv.decoding.models.pretrained", "tiny": "spectr_gbv.decoding.models.tiny"}
 
 
 def options(group: str) -> list[str]:

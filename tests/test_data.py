@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 from hydra.utils import instantiate
 
-from spectr_gbv.config import ConfigError
-from spectr_gbv.data import PromptDataModule, load_prompts
+from spectr_gbv.errors import ConfigError
+from spectr_gbv.experiment.data import PromptDataModule, load_prompts
 
 SIZES = {"mtbench": 80, "humaneval": 164, "gsm8k": 1319, "xsum": 1000, "nq": 1769}
 

@@ -9,10 +9,10 @@ import transformers
 from scipy.stats import chisquare
 from transformers import DynamicCache
 
-from spectr_gbv.cache import COMMITTED
-from spectr_gbv.engine import SpeculativeEngine
-from spectr_gbv.models import tiny
-from spectr_gbv.sampling import Sampling, warp
+from spectr_gbv.decoding.cache import COMMITTED
+from spectr_gbv.decoding.engine import SpeculativeEngine
+from spectr_gbv.decoding.models import tiny
+from spectr_gbv.decoding.sampling import Sampling, warp
 from spectr_gbv.verifiers import Verifier, VerifierOutput, build_verifier
 from spectr_gbv.verifiers.base import sample
 from spectr_gbv.verifiers.reference import LOSSLESS, SINGLE_DRAFT

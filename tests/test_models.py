@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from spectr_gbv import models
-from spectr_gbv.models import LoadedModel, check_same_tokenizer, packaged, pretrained, tiny
+from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, packaged, pretrained, tiny
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "1 + 1 = ", "Once upon a time"]
 

@@ -7,8 +7,8 @@ import torch
 import yaml
 
 from conftest import ROOT
-from spectr_gbv.module import aggregate, COUNTERS
-from spectr_gbv.report import main
+from spectr_gbv.experiment.module import aggregate, COUNTERS
+from spectr_gbv.tools.report import main
 
 BLOCK_LENGTHS = (2, 4)
 

@@ -1,9 +1,9 @@
 """docs/results.md quotes the report of the committed study runs: every table row in it is a row that
-`python -m spectr_gbv.report docs/runs/<part>` prints, so no figure in a table can drift from the runs."""
+`python -m spectr_gbv.tools.report docs/runs/<part>` prints, so no figure in a table can drift from the runs."""
 import shutil
 
 from conftest import ROOT
-from spectr_gbv.report import main
+from spectr_gbv.tools.report import main
 
 RUNS = ROOT / "docs" / "runs"
 

@@ -1,6 +1,6 @@
 """One table and a few plots from every job below a run or multirun folder:
 
-    python -m spectr_gbv.report outputs/multirun/2026-01-01/12-00-00
+    python -m spectr_gbv.tools.report outputs/multirun/2026-01-01/12-00-00
 
 Reads each summary.json (one per job), writes report.md and report.csv into the folder (and prints the tables:
 by dataset in the paper's Table 1 shape when jobs ran several, agreement with `ar` at temperature 0, then all rows),
@@ -82,7 +82,7 @@ def dataset_table(rows: list[dict]) -> str:
 def greedy_agreement(rows: list[dict], folder: Path) -> str:
     """At temperature 0 every lossless verifier must emit the target's greedy tokens: for each temperature-0 job,
     how many of its prompts have exactly the output tokens of the `ar` job below the same folder."""
-    from spectr_gbv.module import read_records  # lazily: it imports torch and Lightning
+    from spectr_gbv.experiment.module import read_records  # lazily: it imports torch and Lightning
 
     greedy = {row["job"]: row for row in rows if row["temperature"] == 0}  # one entry per job, in folder order
     reference = next((job for job, row in greedy.items() if row["verifier"] == "ar"), None)

@@ -17,7 +17,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from spectr_gbv.models import LoadedModel
+from spectr_gbv.decoding.models import LoadedModel
 
 COMMITTED, HIDDEN = -1, -2
 PAD_TOKEN = 0  # the input id of a padding slot: any valid id, its key is hidden

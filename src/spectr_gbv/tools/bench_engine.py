@@ -1,4 +1,4 @@
-"""Engine benchmark: `python -m spectr_gbv.bench_engine [--tiny] [--dtype float32]` (part of `make bench`).
+"""Engine benchmark: `python -m spectr_gbv.tools.bench_engine [--tiny] [--dtype float32]` (part of `make bench`).
 
 Where the time goes, and how far from the limit, side by side in one run on the Qwen2.5-Coder pair (or tiny random
 models), after one line naming the machine (CPU, its bf16 matrix units, threads, torch, dtype):
@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.table import Table
 from transformers import DynamicCache, GenerationConfig
 
-from spectr_gbv.engine import DecodeRecord, SpeculativeEngine
-from spectr_gbv.models import DTYPES, LoadedModel, packaged, tiny
-from spectr_gbv.sampling import Sampling
+from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine
+from spectr_gbv.decoding.models import DTYPES, LoadedModel, packaged, tiny
+from spectr_gbv.decoding.sampling import Sampling
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",

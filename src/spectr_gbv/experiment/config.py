@@ -17,7 +17,8 @@ from hydra.errors import (ConfigCompositionException, InstantiationException, Mi
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from spectr_gbv.models import ModelUnavailable
+from spectr_gbv.decoding.models import ModelUnavailable
+from spectr_gbv.errors import ConfigError
 from spectr_gbv.verifiers import VERIFIERS
 
 
@@ -51,13 +52,6 @@ class Config:
 
 
 ConfigStore.instance().store(name="base_config", node=Config)
-
-
-class ConfigError(ValueError):
-    """A user's bad input: printed as one line `error: key=value: what is allowed`."""
-
-    def __init__(self, key: str, value: Any, allowed: str):
-        super().__init__(f"{key}={value}: {allowed}")
 
 
 def validate(cfg: DictConfig) -> None:

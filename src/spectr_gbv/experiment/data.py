@@ -10,7 +10,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 
-from spectr_gbv.config import ConfigError
+from spectr_gbv.errors import ConfigError
 
 
 def load_prompts(name: str, template: str, texts: list[str] | None = None, package: str | None = None,

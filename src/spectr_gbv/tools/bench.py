@@ -1,4 +1,4 @@
-"""Verifier benchmark: `python -m spectr_gbv.bench` (part of `make bench`).
+"""Verifier benchmark: `python -m spectr_gbv.tools.bench` (part of `make bench`).
 
 Times one call of every verifier, side by side in one run, and reports it as a ratio to one softmax over a tensor of
 the call's target_probs size (the machine's noise cancels in the ratio), in two regimes:
@@ -13,8 +13,8 @@ import argparse
 import torch
 from torch.utils.benchmark import Timer
 
-from .bench_engine import machine
-from .verifiers import VERIFIERS, build_verifier
+from spectr_gbv.tools.bench_engine import machine
+from spectr_gbv.verifiers import VERIFIERS, build_verifier
 
 NAMES = [name for name in VERIFIERS if name != "spectr_gbv"]  # an alias, not another kernel
 

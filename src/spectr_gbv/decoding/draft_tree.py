@@ -8,7 +8,7 @@ labels encode node (k, d) as k * L + d.
 import torch
 from torch import Tensor
 
-from spectr_gbv.cache import COMMITTED, HIDDEN
+from spectr_gbv.decoding.cache import COMMITTED, HIDDEN
 
 
 def representatives(tokens: Tensor, block_length: int) -> Tensor:

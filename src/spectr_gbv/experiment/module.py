@@ -22,10 +22,10 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from spectr_gbv.config import ConfigError
-from spectr_gbv.engine import DecodeRecord, SpeculativeEngine, Stopped
-from spectr_gbv.models import LoadedModel
-from spectr_gbv.sampling import Sampling
+from spectr_gbv.errors import ConfigError
+from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine, Stopped
+from spectr_gbv.decoding.models import LoadedModel
+from spectr_gbv.decoding.sampling import Sampling
 
 # Per-dataset sums; every aggregate is a function of sums, so a sum over ranks gives the one-process result.
 COUNTERS = ("prompts", "new_tokens", "target_calls", "new_tokens_sq", "target_calls_sq", "new_x_calls",

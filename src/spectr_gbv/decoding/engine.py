@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spectr_gbv.cache import COMMITTED, SlotCache
-from spectr_gbv.draft_tree import node_labels, nodes_at, on_path, representatives
-from spectr_gbv.models import LoadedModel, check_same_tokenizer
-from spectr_gbv.sampling import Sampling, warp
+from spectr_gbv.decoding.cache import COMMITTED, SlotCache
+from spectr_gbv.decoding.draft_tree import node_labels, nodes_at, on_path, representatives
+from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
+from spectr_gbv.decoding.sampling import Sampling, warp
 from spectr_gbv.verifiers import build_verifier
 from spectr_gbv.verifiers.base import sample
 

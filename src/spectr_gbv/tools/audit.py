@@ -1,4 +1,4 @@
-"""Exact audit of every verifier: `python -m spectr_gbv.audit`.
+"""Exact audit of every verifier: `python -m spectr_gbv.tools.audit`.
 
 For the three anchors of docs/algorithms.md §12 and one random context-dependent instance with zeros (top-k-like),
 prints each verifier's exact mean accepted length E[tau] of one iteration and its share of the bound sum_t alpha*_t
@@ -56,7 +56,7 @@ def instance_table(title, p, q, L, K):
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(prog="python -m spectr_gbv.audit", description=__doc__.splitlines()[0]).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m spectr_gbv.tools.audit", description=__doc__.splitlines()[0]).parse_args(argv)
     console = Console(width=100)  # the widest table, even when piped (rich assumes 80 columns then)
     console.print(Text("Exact audit (enumeration, float64). E[tau]: mean accepted draft tokens of one iteration; "
                        "of bound: E[tau] / sum_t alpha*_t with that K, which no lossless verifier can exceed; "
