@@ -8,33 +8,29 @@ import numpy as np
 import pytest
 from scipy.optimize import linprog
 
-from spectr_gbv import audit
 from spectr_gbv.verifiers import reference as ref
 from spectr_gbv.verifiers.reference import (
+    ANCHORS,
     LOSSLESS,
     SINGLE_DRAFT,
-    ConstModel,
     RandModel,
+    accepted_law,
     alpha_star,
     alpha_star_brute,
+    anchor,
     block_acceptance,
     bound_sum,
     claimed_C,
     expected_accepted,
     joint,
     law_error,
-    tau_law,
 )
 
 EXACT = 1e-12
 
-ANCHORS = {  # docs/algorithms.md §12: (p, q, L, K)
-    "A": ([1 / 3, 2 / 3], [2 / 3, 1 / 3], 2, 2),
-    "B": ([0.5, 0.3, 0.2], [0.2, 0.3, 0.5], 2, 2),
-    "C": ([0.6, 0.3, 0.1], [0.3, 0.3, 0.4], 3, 2),
-}
+# The anchors' values of docs/algorithms.md §12, written out only here (the instances are reference.ANCHORS).
 # E[tau] of the first iteration; single-draft verifiers and "gbv@1" at K=1, the others at the anchor's K.
-ANCHOR_E_TAU = {
+ANCHOR_MEAN_ACCEPTED = {
     "A": dict(token=1.111111, bv=1.222222, **{"gbv@1": 1.333333}, nss=1.012346, specinfer=1.333333,
               spectr=1.405487, multipath=1.617284, gbv=1.481481, spectr_gbv_paper=1.403435),
     "B": dict(token=1.190000, bv=1.250000, **{"gbv@1": 1.310000}, nss=0.641791, specinfer=1.305800,
@@ -46,11 +42,6 @@ ANCHOR_BOUNDS = {"A": (1.583333, 1.654321), "B": (1.535600, 1.604400), "C": (2.1
 
 # (V, L, K) small enough to enumerate V^(L K) draft tuples quickly; all with zeros in p and q.
 SHAPES = [(2, 1, 1), (3, 1, 3), (2, 2, 2), (3, 2, 1), (3, 2, 2), (2, 3, 1), (2, 3, 3), (3, 3, 1), (2, 2, 3)]
-
-
-def anchor(name):
-    p, q, L, K = ANCHORS[name]
-    return ConstModel(p), ConstModel(q), L, K
 
 
 def random_pair(vocab, seed):
@@ -118,7 +109,7 @@ def test_temperature_zero_is_exact_for_every_verifier(name, vocab, L, K):
 @pytest.mark.parametrize("name", ANCHORS)
 def test_anchor_values(name):
     p, q, L, K = anchor(name)
-    for column, value in ANCHOR_E_TAU[name].items():
+    for column, value in ANCHOR_MEAN_ACCEPTED[name].items():
         verifier, k = ("gbv", 1) if column == "gbv@1" else (column, drafts_for(column, K))
         assert expected_accepted(verifier, p, q, L, k) == pytest.approx(value, abs=1e-6), column
     assert (claimed_C(p, q, L, K), bound_sum(p, q, L, K)) == pytest.approx(ANCHOR_BOUNDS[name], abs=1e-6)
@@ -153,7 +144,7 @@ def test_block_acceptance_gives_the_accepted_length(name):
     p, q = random_pair(3, seed=5)
     L = 3
     drafts = [x for x in itertools.product(range(3), repeat=L) if joint(q, x) > 0]
-    from_h = sum(joint(q, x) * np.dot(np.arange(L + 1), tau_law(block_acceptance(name, p, q, x))) for x in drafts)
+    from_h = sum(joint(q, x) * np.dot(np.arange(L + 1), accepted_law(block_acceptance(name, p, q, x))) for x in drafts)
     assert from_h == pytest.approx(expected_accepted(name, p, q, L, 1), abs=EXACT)
 
 
@@ -194,9 +185,3 @@ def test_single_draft_verifier_refuses_several_drafts():
     p, q = random_pair(2, seed=0)
     with pytest.raises(ValueError, match="single draft"):
         ref.outcomes("bv", p, q, [(0,), (1,)])
-
-
-def test_audit_refuses_an_unknown_flag(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        audit.main(["--anything"])
-    assert exit_.value.code == 2 and "unrecognized arguments: --anything" in capsys.readouterr().err

@@ -8,28 +8,41 @@ enumeration in verifiers/reference.py.
 """
 
 import argparse
+from fractions import Fraction
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from spectr_gbv.verifiers.reference import (
+    ANCHORS,
     LOSSLESS,
     SINGLE_DRAFT,
     VERIFIERS,
-    ConstModel,
     RandModel,
+    anchor,
     bound_sum,
     claimed_C,
     expected_accepted,
     law_error,
 )
 
-INSTANCES = {  # name: (target p, drafter q, L, K)
-    "A: p=(1/3,2/3) q=(2/3,1/3) L=2 K=2 (BV paper toy example)": (
-        ConstModel([1 / 3, 2 / 3]), ConstModel([2 / 3, 1 / 3]), 2, 2),
-    "B: p=(.5,.3,.2) q=(.2,.3,.5) L=2 K=2": (ConstModel([0.5, 0.3, 0.2]), ConstModel([0.2, 0.3, 0.5]), 2, 2),
-    "C: p=(.6,.3,.1) q=(.3,.3,.4) L=3 K=2": (ConstModel([0.6, 0.3, 0.1]), ConstModel([0.3, 0.3, 0.4]), 3, 2),
+ANCHOR_NOTES = {"A": " (BV paper toy example)"}
+
+
+def shown(dist) -> str:
+    """'1/3,2/3' or '.5,.3,.2': one decimal where that is exact, else a fraction, as docs/algorithms.md §12 does."""
+    return ",".join(f"{x:.1f}".lstrip("0") if round(x, 1) == x else str(Fraction(x).limit_denominator(10))
+                    for x in dist)
+
+
+def anchor_title(name: str) -> str:
+    p, q, L, K = ANCHORS[name]
+    return f"{name}: p=({shown(p)}) q=({shown(q)}) L={L} K={K}{ANCHOR_NOTES.get(name, '')}"
+
+
+INSTANCES = {  # title: (target p, drafter q, L, K)
+    **{anchor_title(name): anchor(name) for name in ANCHORS},
     "random: V=3, context-dependent, zeros in p and q, L=2 K=3": (
         RandModel(3, seed=8, zero_prob=0.25), RandModel(3, seed=9, zero_prob=0.25), 2, 3),
 }
@@ -47,9 +60,9 @@ def instance_table(title, p, q, L, K):
         table.add_column(Text(column), justify="left" if column == "verifier" else "right")
     bounds = {k: bound_sum(p, q, L, k) for k in (1, K)}  # the rows use one draft or K
     for name, k in rows(K):
-        e_tau = expected_accepted(name, p, q, L, k)
-        table.add_row(name, str(k), "yes" if name in LOSSLESS else "NO", f"{e_tau:.6f}", f"{e_tau / bounds[k]:.1%}",
-                      f"{e_tau + 1:.6f}", f"{law_error(name, p, q, L, k):.1e}")
+        accepted = expected_accepted(name, p, q, L, k)
+        table.add_row(name, str(k), "yes" if name in LOSSLESS else "NO", f"{accepted:.6f}",
+                      f"{accepted / bounds[k]:.1%}", f"{accepted + 1:.6f}", f"{law_error(name, p, q, L, k):.1e}")
     table.caption = Text(f"bound sum_t alpha*_t = {bounds[K]:.6f}   "
                          f"paper's claimed C_L(K) = {claimed_C(p, q, L, K):.6f}")
     return table

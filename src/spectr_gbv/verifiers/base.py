@@ -18,16 +18,18 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from spectr_gbv.errors import ConfigError
+
 Generators = torch.Generator | list[torch.Generator] | None  # one for the batch, or one per row
 
 
 @dataclass
 class VerifierOutput:
-    """Row b emits draft_tokens[b, draft_index[b], :num_accepted[b]] and then next_token[b]."""
+    """Row b emits its accepted tokens draft_tokens[b, draft_index[b], :num_accepted[b]], then next_token[b]."""
 
-    num_accepted: Tensor  # int64 [B], 0..L
-    draft_index: Tensor  # int64 [B], 0..K-1
-    next_token: Tensor  # int64 [B]: the correction token, or the bonus token when all L were accepted
+    num_accepted: Tensor  # int64 [B], 0..L: how many draft tokens were accepted
+    draft_index: Tensor  # int64 [B], 0..K-1: the draft they come from
+    next_token: Tensor  # int64 [B]: the recovered token after a rejection, or the bonus token when all L were accepted
     state: Any = None  # thread into the next call for the same rows (None for verifiers that keep none)
 
 
@@ -39,13 +41,23 @@ class Verifier:
     def __call__(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
                  generator: Generators = None, state: Any = None) -> VerifierOutput:
         check_inputs(draft_tokens, draft_probs, target_probs)
-        num_drafts = draft_tokens.shape[1]
-        if self.max_drafts is not None and num_drafts > self.max_drafts:
-            raise ValueError(f"verifier {self.name!r} takes at most {self.max_drafts} draft(s), got K={num_drafts}; "
-                             "use a multi-draft verifier (gbv, spectr, specinfer, nss, multipath) for K > 1")
+        self.check_num_drafts(draft_tokens.shape[1])
         return self.verify(draft_tokens, draft_probs, target_probs, generator, state)
 
-    def verify(self, tokens: Tensor, q: Tensor, p: Tensor, generator, state) -> VerifierOutput:
+    @classmethod
+    def check_num_drafts(cls, num_drafts: int) -> None:
+        """The one check of K against the verifier, shared by the call, the engine and the run's config."""
+        if cls.max_drafts is None or num_drafts <= cls.max_drafts:
+            return
+        from spectr_gbv.verifiers import VERIFIERS  # not at the top: the package imports this module first
+
+        # lossless ones only (suggesting the published, biased rule would be bad advice), each alias once
+        multi_draft = dict.fromkeys(v.name for v in VERIFIERS.values() if v.max_drafts is None and v.lossless)
+        raise ConfigError("num_drafts", num_drafts, f"verifier {cls.name} takes at most {cls.max_drafts} draft(s); "
+                          f"for more, use a multi-draft verifier ({', '.join(multi_draft)})")
+
+    def verify(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, generator: Generators,
+               state: Any) -> VerifierOutput:
         raise NotImplementedError
 
 
@@ -123,7 +135,7 @@ def token_probs(probs: Tensor, tokens: Tensor) -> Tensor:
 
 
 def last_success(h: Tensor, u: Tensor) -> Tensor:
-    """tau = max{i >= 1 : u_i < h_i} (strict, see above), 0 if none; h, u [B, L] hold positions 1..L."""
+    """The accepted count max{i >= 1 : u_i < h_i} (strict, see above), 0 if none; h, u [B, L] hold positions 1..L."""
     positions = torch.arange(1, h.shape[-1] + 1, device=h.device)
     return ((u < h) * positions).amax(-1)
 

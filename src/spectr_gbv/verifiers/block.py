@@ -9,14 +9,14 @@ from torch import Tensor
 from .base import Verifier, VerifierOutput, last_success, normalise, pick, sample, token_probs, uniforms
 
 
-def correction_or_bonus(p: Tensor, q: Tensor, tau: Tensor, weight: Tensor, generator) -> Tensor:
-    """The extra token: bonus ~ p(.|x^L) when tau = L, else a correction from norm((w_tau p - q)_+) at x^tau.
-    p [B, L+1, V], q [B, L, V], tau and weight [B]."""
+def recovered_or_bonus(p: Tensor, q: Tensor, accepted: Tensor, weight: Tensor, generator) -> Tensor:
+    """next_token: the bonus ~ p(.|x^L) when accepted = L, else the recovered token ~ norm((w p - q)_+) at
+    x^accepted, w = weight (BV's w_tau, docs/algorithms.md §3). p [B, L+1, V], q [B, L, V], accepted and weight [B]."""
     L = q.shape[1]
-    p_tau = pick(p, tau)
-    q_tau = pick(q, tau.clamp(max=L - 1))
-    residual = normalise((weight[:, None] * p_tau - q_tau).clamp_min(0), p_tau)
-    return sample(torch.where((tau == L)[:, None], p_tau, residual), generator)
+    p_node = pick(p, accepted)
+    q_node = pick(q, accepted.clamp(max=L - 1))
+    residual = normalise((weight[:, None] * p_node - q_node).clamp_min(0), p_node)
+    return sample(torch.where((accepted == L)[:, None], p_node, residual), generator)
 
 
 class TokenVerifier(Verifier):
@@ -25,12 +25,12 @@ class TokenVerifier(Verifier):
     name = "token"
     max_drafts = 1
 
-    def verify(self, tokens, q, p, generator, state):
-        x, q, p = tokens[:, 0], q[:, 0], p[:, 0]
-        accepted = uniforms(x.shape, q, generator) < token_probs(p, x) / token_probs(q, x)
-        tau = accepted.long().cumprod(-1).sum(-1)
-        next_token = correction_or_bonus(p, q, tau, torch.ones_like(p[:, 0, 0]), generator)
-        return VerifierOutput(tau, torch.zeros_like(tau), next_token)
+    def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
+        x, q, p = draft_tokens[:, 0], draft_probs[:, 0], target_probs[:, 0]  # the single draft, in §2's letters
+        passes = uniforms(x.shape, q, generator) < token_probs(p, x) / token_probs(q, x)
+        accepted = passes.long().cumprod(-1).sum(-1)  # up to the first rejection
+        next_token = recovered_or_bonus(p, q, accepted, torch.ones_like(p[:, 0, 0]), generator)
+        return VerifierOutput(accepted, torch.zeros_like(accepted), next_token)
 
 
 def bv_acceptance(x: Tensor, q: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
@@ -50,10 +50,10 @@ def bv_acceptance(x: Tensor, q: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def block_verify(x: Tensor, q: Tensor, p: Tensor, generator) -> tuple[Tensor, Tensor]:
-    """Block verification of one path: x [B, L], q [B, L, V], p [B, L+1, V] -> (tau, next_token)."""
+    """Block verification of one path: x [B, L], q [B, L, V], p [B, L+1, V] -> (accepted, next_token)."""
     h, w = bv_acceptance(x, q, p)
-    tau = last_success(h, uniforms(h.shape, h, generator))
-    return tau, correction_or_bonus(p, q, tau, pick(w, tau), generator)
+    accepted = last_success(h, uniforms(h.shape, h, generator))
+    return accepted, recovered_or_bonus(p, q, accepted, pick(w, accepted), generator)
 
 
 class BlockVerifier(Verifier):
@@ -62,9 +62,9 @@ class BlockVerifier(Verifier):
     name = "bv"
     max_drafts = 1
 
-    def verify(self, tokens, q, p, generator, state):
-        tau, next_token = block_verify(tokens[:, 0], q[:, 0], p[:, 0], generator)
-        return VerifierOutput(tau, torch.zeros_like(tau), next_token)
+    def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
+        accepted, next_token = block_verify(draft_tokens[:, 0], draft_probs[:, 0], target_probs[:, 0], generator)
+        return VerifierOutput(accepted, torch.zeros_like(accepted), next_token)
 
 
 def best_path(tokens: Tensor, q: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
@@ -123,12 +123,12 @@ class MultiPathVerifier(Verifier):
 
     name = "multipath"
 
-    def verify(self, tokens, q, p, generator, state):
-        B, K, L = tokens.shape
-        selected, node_rows = best_path(tokens, q, p)
-        x = pick(tokens, selected)
-        depth = torch.arange(L, device=tokens.device)
-        q_nodes = q[torch.arange(B)[:, None], node_rows, depth]
-        p_nodes = torch.cat([p[torch.arange(B)[:, None], node_rows, depth], pick(p, selected)[:, L:]], 1)
-        tau, next_token = block_verify(x, skewed_draft(x, q_nodes, p_nodes, K), p_nodes, generator)
-        return VerifierOutput(tau, selected, next_token)
+    def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
+        B, K, L = draft_tokens.shape
+        selected, node_rows = best_path(draft_tokens, draft_probs, target_probs)
+        x = pick(draft_tokens, selected)
+        rows, positions = torch.arange(B)[:, None], torch.arange(L, device=draft_tokens.device)
+        q_nodes = draft_probs[rows, node_rows, positions]
+        p_nodes = torch.cat([target_probs[rows, node_rows, positions], pick(target_probs, selected)[:, L:]], 1)
+        accepted, next_token = block_verify(x, skewed_draft(x, q_nodes, p_nodes, K), p_nodes, generator)
+        return VerifierOutput(accepted, selected, next_token)

@@ -8,7 +8,7 @@ new conditional law: a *residual level* on top of the previous one,
     M_new(. | v) = point mass on the anchor token             while v is shorter than the anchor
                  = norm((M(. | v) - lambda(v) q(. | v))_+)    after it, lambda(v) = S(v) / M(v),
 
-with S, M the draft and current-target joint masses of v since the block start. The correction token comes from the
+with S, M the draft and current-target joint masses of v since the block start. The recovered token comes from the
 final law, and the levels stay in force for the rest of the block window: the next iteration verifies against them
 (the "target modification"; without it the stream is biased). Pending levels are this verifier's state
 (docs/algorithms.md §4.4).
@@ -101,61 +101,63 @@ def greedy_acceptance(cond: Tensor, q: Tensor, x: Tensor, log_s: Tensor, block_l
 class GreedyBlockVerifier(Verifier):
     name = "gbv"
 
-    def verify(self, tokens, q, p, generator, state):
+    def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
+        tokens, q, p = draft_tokens, draft_probs, target_probs  # §4's letters, so the level algebra reads as there
         B, K, L = tokens.shape
         log_s = torch.cat([torch.zeros_like(q[:, :, :1, 0]), token_probs(q, tokens).log().cumsum(-1)], -1)
         common = (tokens[:, :, None] == tokens[:, None]).long().cumprod(-1).sum(-1)  # [B, K, K] common prefix lengths
         levels = pending_to_levels(state, tokens)
         u = uniforms((B, K, L), q, generator)
         done = torch.zeros(B, dtype=torch.bool, device=q.device)
-        best_len = torch.zeros(B, dtype=torch.long, device=q.device)
-        best_draft = torch.zeros_like(best_len)
+        accepted = torch.zeros(B, dtype=torch.long, device=q.device)  # the longest agreement so far
+        draft_index = torch.zeros_like(accepted)
         anchors = []
         for k in range(K):
             if done.all():
                 break
             n = live_nodes(common[:, k], anchors, done, L)
             cond, _, _ = apply_levels(p[:, k, :n], q[:, k, :n], tokens[:, k, :n], log_s[:, k, : n + 1], levels)
-            t = last_success(greedy_acceptance(cond, q[:, k, :n], tokens[:, k, :n], log_s[:, k, : n + 1], L), u[:, k])
-            longer = ~done & (t > best_len)  # t is automatically consistent with the known prefix of Y
-            best_len = torch.where(longer, t, best_len)
-            best_draft = torch.where(longer, k, best_draft)
-            done |= t == L
-            anchors.append((k, t))
-            levels.append(Level(torch.zeros_like(log_s[:, 0, 0]), torch.zeros_like(log_s[:, 0, 0]), t,
+            h = greedy_acceptance(cond, q[:, k, :n], tokens[:, k, :n], log_s[:, k, : n + 1], L)
+            accepted_k = last_success(h, u[:, k])  # t_k of §4.3: always consistent with the known prefix of Y
+            longer = ~done & (accepted_k > accepted)
+            accepted = torch.where(longer, accepted_k, accepted)
+            draft_index = torch.where(longer, k, draft_index)
+            done |= accepted_k == L
+            anchors.append((k, accepted_k))
+            levels.append(Level(torch.zeros_like(log_s[:, 0, 0]), torch.zeros_like(log_s[:, 0, 0]), accepted_k,
                                 torch.where(done, 0, L), tokens[:, k]))
 
-        bonus = pick(p, best_draft)[:, L]
+        bonus = pick(p, draft_index)[:, L]
         if done.all():
-            return VerifierOutput(best_len, best_draft, sample(bonus, generator), None)
-        # Replay every level along the best path to get the correction law and each level's input there.
-        node = torch.where(done, 0, best_len)
+            return VerifierOutput(accepted, draft_index, sample(bonus, generator), None)
+        # Replay every level along the best path to get the recovered token's law and each level's input there.
+        node = torch.where(done, 0, accepted)
         n = int(node.max()) + 1
-        x, q_best, log_s_best = pick(tokens, best_draft)[:, :n], pick(q, best_draft)[:, :n], pick(log_s, best_draft)
+        x, q_best, log_s_best = pick(tokens, draft_index)[:, :n], pick(q, draft_index)[:, :n], pick(log_s, draft_index)
         cond, input_log_joint, input_at_node = apply_levels(
-            pick(p, best_draft)[:, :n], q_best, x, log_s_best[:, : n + 1], levels, node)
+            pick(p, draft_index)[:, :n], q_best, x, log_s_best[:, : n + 1], levels, node)
         next_token = sample(torch.where(done[:, None], bonus, pick(cond, node)), generator)
 
         # The levels stay in force after the emitted tokens: accumulate their masses along best + next_token.
-        at = lambda t, i: t.gather(-1, i[:, None]).squeeze(-1)  # noqa: E731
+        at = lambda values, i: values.gather(-1, i[:, None]).squeeze(-1)  # noqa: E731
         log_s_new = at(log_s_best, node) + at(pick(q_best, node), next_token).log()
-        emitted = best_len + 1
+        emitted = accepted + 1
         pending = PendingLevels(
             log_s=torch.stack([lv.log_s0 + log_s_new for lv in levels], -1),
             log_m=torch.stack([lv.log_m0 + at(lm, node) + at(cm, next_token).log()
                                for lv, lm, cm in zip(levels, input_log_joint, input_at_node)], -1),
             remaining=torch.stack([torch.where(done, 0, (lv.end - emitted).clamp_min(0)) for lv in levels], -1),
         )
-        return VerifierOutput(best_len, best_draft, next_token, compact(pending))
+        return VerifierOutput(accepted, draft_index, next_token, compact(pending))
 
 
 def live_nodes(common: Tensor, anchors: list[tuple[int, Tensor]], done: Tensor, block_length: int) -> int:
-    """How many leading nodes of a draft can carry target mass: an earlier draft j accepted up to t_j revealed that
-    Y starts with its first t_j tokens, so a draft that leaves them after c < t_j common tokens has zero mass from
-    depth c + 1 on. Computing only those nodes is what keeps later drafts cheap."""
+    """How many leading nodes of a draft can carry target mass: an earlier draft j that had accepted_j tokens
+    accepted revealed that Y starts with them, so a draft that leaves them after c < accepted_j common tokens has
+    zero mass from depth c + 1 on. Computing only those nodes is what keeps later drafts cheap."""
     limit = torch.full_like(common[:, 0], block_length)
-    for j, t in anchors:
-        limit = torch.where(common[:, j] < t, torch.minimum(limit, common[:, j] + 1), limit)
+    for j, accepted_j in anchors:
+        limit = torch.where(common[:, j] < accepted_j, torch.minimum(limit, common[:, j] + 1), limit)
     return max(1, int(limit.masked_fill(done, 0).max()))
 
 

@@ -6,8 +6,8 @@ omits the target modification that greedy block verification needs across iterat
 error 0.02 to 0.04 on the anchors, §9.3). At temperature 0 it reduces to the longest match with the greedy path,
 which is exact. Use `gbv` for anything that needs exactness.
 
-Notation: S, B draft and target joint masses of a sub-block, a = min(1, S/B), f = 1 - (1 - a)^K,
-G = B f, sigma = 1 - (1 - S)^K.
+Notation (docs/algorithms.md §9.1): S, B the draft and target joint masses of a sub-block (`draft_mass`,
+`target_mass`), a = min(1, S/B), f = 1 - (1 - a)^K, G = B f (`gain`), sigma = 1 - (1 - S)^K.
 """
 from __future__ import annotations
 
@@ -17,51 +17,60 @@ from .base import Verifier, VerifierOutput, normalise, pick, sample, token_probs
 
 DENOMINATOR_GUARD = 1e-20  # as in the published code
 MAX_RATIO = 1e30  # S/B beyond this already makes every a = 1; keeps the ratio finite in float32
+# Floor under the float64 target mass B in S/B: where B = 0 (the target excludes a drafted token, e.g. by top-k) the
+# ratio stays finite, S / MASS_FLOOR <= 1e300 as S <= 1, and a float64 underflow of both masses gives 0, not 0/0.
+# Such nodes have G = B f ~ 0 whatever the floor. Not finfo(float64).tiny: that would move the masses in
+# (tiny, 1e-300) off the floor and change this rule's results there.
+MASS_FLOOR = 1e-300
 
 
 class PaperSpecTrGBVVerifier(Verifier):
     name = "spectr_gbv_paper"
     lossless = False
 
-    def verify(self, tokens, q, p, generator, state):
+    def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
+        tokens, q, p = draft_tokens, draft_probs, target_probs  # §9's letters, so the formulas read as there
         B, K, L = tokens.shape
         # Joint masses of whole blocks underflow float32: keep them (scalars per node) in float64, and do the
         # vocabulary-wide work in the inputs' dtype with the per-node ratio S/B factored out.
         one = torch.ones_like(q[:, :, :1, 0], dtype=torch.float64)
-        S = torch.cat([one, token_probs(q, tokens).double().cumprod(-1)], -1)  # [B, K, L+1]
-        Bm = torch.cat([one, token_probs(p, tokens).double().cumprod(-1)], -1)
-        sigma = 1 - (1 - S) ** K
-        G = Bm * coverage(S / Bm.clamp_min(1e-300), K)
+        draft_mass = torch.cat([one, token_probs(q, tokens).double().cumprod(-1)], -1)  # S [B, K, L+1]
+        target_mass = torch.cat([one, token_probs(p, tokens).double().cumprod(-1)], -1)  # B [B, K, L+1]
+        mass_ratio = draft_mass / target_mass.clamp_min(MASS_FLOOR)  # S/B
+        sigma = 1 - (1 - draft_mass) ** K
+        gain = target_mass * coverage(mass_ratio, K)
 
         # h of every sub-block u = x^i, i = 1..L-1, of every draft at once: [G(u) - sum_c G(uc)] / [sigma(u) - ...]
-        ratio = (S / Bm.clamp_min(1e-300))[:, :, 1:L, None].clamp(max=MAX_RATIO).to(q.dtype)
-        children = Bm[:, :, 1:L] * child_coverage(p[:, :, 1:L], q[:, :, 1:L], ratio, K).sum(-1).double()
-        h_sub = ((G[:, :, 1:L] - children) / (sigma[:, :, 1:L] - children + DENOMINATOR_GUARD)).clamp(0, 1)
-        h_full = (G[:, :, L] / (sigma[:, :, L] + DENOMINATOR_GUARD)).clamp(0, 1)
+        ratio = mass_ratio[:, :, 1:L, None].clamp(max=MAX_RATIO).to(q.dtype)
+        children = target_mass[:, :, 1:L] * child_coverage(p[:, :, 1:L], q[:, :, 1:L], ratio, K).sum(-1).double()
+        h_sub = ((gain[:, :, 1:L] - children) / (sigma[:, :, 1:L] - children + DENOMINATOR_GUARD)).clamp(0, 1)
+        h_full = (gain[:, :, L] / (sigma[:, :, L] + DENOMINATOR_GUARD)).clamp(0, 1)
 
-        # same_prefix[b, k, j, i]: drafts k and j agree on their first i tokens
+        # agree[b, k, j, i]: drafts k and j agree on their first i + 1 tokens
         agree = (tokens[:, :, None, :] == tokens[:, None, :, :]).long().cumprod(-1).bool()
         u_sub, u_full = uniforms((B, K, L), q, generator), uniforms((B, K), q, generator)
-        tau = torch.zeros(B, dtype=torch.long, device=q.device)
-        sel, done = torch.zeros_like(tau), torch.zeros(B, dtype=torch.bool, device=q.device)
+        accepted = torch.zeros(B, dtype=torch.long, device=q.device)
+        draft_index, done = torch.zeros_like(accepted), torch.zeros(B, dtype=torch.bool, device=q.device)
         rejected = torch.zeros(B, K, L, dtype=torch.bool, device=q.device)  # the published code's "seen" set
         for k in range(K):
-            start = tau.clone()  # the range of sub-blocks is fixed when draft k starts
+            start = accepted.clone()  # the range of sub-blocks is fixed when draft k starts
             for i in range(1, L):
                 seen = (rejected[:, :k, i] & agree[:, k, :k, i - 1]).any(-1)
                 tested = ~done & (i > start) & ~seen
                 accept = tested & (u_sub[:, k, i] < h_sub[:, k, i - 1])
-                tau, sel = torch.where(accept, i, tau), torch.where(accept, k, sel)
+                accepted, draft_index = torch.where(accept, i, accepted), torch.where(accept, k, draft_index)
                 rejected[:, k, i] = tested & ~accept
             full = ~done & (u_full[:, k] < h_full[:, k])
-            tau, sel, done = torch.where(full, L, tau), torch.where(full, k, sel), done | full
+            accepted, draft_index = torch.where(full, L, accepted), torch.where(full, k, draft_index)
+            done |= full
 
-        # correction from the G-residual at the accepted sub-block of draft `sel`: p(c) (1 - a(acc c))^K
-        p_node, q_node = pick(pick(p, sel), tau), pick(pick(q, sel), tau.clamp(max=L - 1))
-        ratio = (pick(S, sel) / pick(Bm, sel).clamp_min(1e-300)).gather(-1, tau[:, None]).clamp(max=MAX_RATIO)
+        # the recovered token, from the G-residual at the accepted sub-block "acc": p(c) (1 - a(acc c))^K
+        p_node = pick(pick(p, draft_index), accepted)
+        q_node = pick(pick(q, draft_index), accepted.clamp(max=L - 1))
+        ratio = pick(mass_ratio, draft_index).gather(-1, accepted[:, None]).clamp(max=MAX_RATIO)
         residual = p_node - child_coverage(p_node, q_node, ratio.to(q.dtype), K)
         next_token = sample(torch.where(done[:, None], p_node, normalise(residual.clamp_min(0), p_node)), generator)
-        return VerifierOutput(tau, sel, next_token)
+        return VerifierOutput(accepted, draft_index, next_token)
 
 
 def coverage(ratio, K):

@@ -5,9 +5,11 @@ A *model* is a callable `cond(prefix) -> np.ndarray[V]`: the next-token distribu
 q, every uniform of a verifier is integrated out analytically, so every number here is exact up to float64
 rounding. Nothing here is fast: V^(L*K) draft tuples are enumerated. numpy only, no torch.
 
+tau = accepted: docs/algorithms.md's symbol for the number of accepted draft tokens of one iteration.
+
 One verification iteration is described by `outcomes(name, p, q, drafts)`: a list of
-`(probability, emitted_tokens, cont)` where `emitted_tokens` is the accepted prefix plus the extra token and
-`cont(seq)` the conditional that continues the stream after `seq` (block-relative). `cont` is the target `p`
+`(probability, emitted_tokens, cont)` where `emitted_tokens` is the accepted prefix plus the recovered or bonus token
+and `cont(seq)` the conditional that continues the stream after `seq` (block-relative). `cont` is the target `p`
 except for `gbv`, whose target is modified for the rest of the block window (docs/algorithms.md §4.2 to §4.4).
 """
 
@@ -28,6 +30,21 @@ class ConstModel:
 
     def __call__(self, prefix):
         return self.dist
+
+
+# The anchors of docs/algorithms.md §12, name: (target p, drafter q, L, K), for the audit and the tests; the values
+# they must give are pinned once, in tests/test_reference.py.
+ANCHORS = {
+    "A": ((1 / 3, 2 / 3), (2 / 3, 1 / 3), 2, 2),
+    "B": ((0.5, 0.3, 0.2), (0.2, 0.3, 0.5), 2, 2),
+    "C": ((0.6, 0.3, 0.1), (0.3, 0.3, 0.4), 3, 2),
+}
+
+
+def anchor(name):
+    """Anchor `name` as the functions below take it: (ConstModel(p), ConstModel(q), L, K)."""
+    p, q, L, K = ANCHORS[name]
+    return ConstModel(p), ConstModel(q), L, K
 
 
 class RandModel:
@@ -78,8 +95,8 @@ def max_abs_diff(law_a, law_b):
     return max(abs(law_a.get(s, 0.0) - law_b.get(s, 0.0)) for s in set(law_a) | set(law_b))
 
 
-def tau_law(h):
-    """P(tau = i), i = 0..L, for tau = max{i >= 1 : U_i < h_i} (0 if none), h = (h_1..h_L)."""
+def accepted_law(h):
+    """P(tau = i), i = 0..L, of the accepted count tau = max{i >= 1 : U_i < h_i} (0 if none), h = (h_1..h_L)."""
     probs, none_above = np.zeros(len(h) + 1), 1.0
     for i in range(len(h), 0, -1):
         probs[i] = none_above * h[i - 1]
@@ -103,7 +120,7 @@ def _emit(prob, prefix, dist, cont):
 # Single-draft block rules: token-level SD (docs/algorithms.md §2) and block verification (§3)
 # ---------------------------------------------------------------------------------------------------------------
 def _token_h(p, q, x):
-    """Token SD stops at the first U_i >= a_i; written in the backward form of tau_law:
+    """Token SD stops at the first U_i >= a_i; written in the backward form of accepted_law:
     h_i = P(tau = i | tau <= i) = A_i (1 - a_{i+1}) / (1 - A_{i+1}), A_i = prod_{j<=i} a_j."""
     a = [min(1.0, p(x[:i])[x[i]] / q(x[:i])[x[i]]) for i in range(len(x))]
     reach = np.cumprod(a)  # reach[i-1] = A_i
@@ -129,13 +146,14 @@ def _bv_h(p, q, x):
 
 
 def _single_path(p, q, x, h, w):
-    """Outcomes of a single-path rule with backward posteriors h and residual norm((w_t p - q)_+) at depth t."""
+    """Outcomes of a single-path rule with backward posteriors h and, after `accepted` tokens, the recovered token
+    from norm((w_accepted p - q)_+)."""
     L, outs = len(x), []
-    for t, prob in enumerate(tau_law(h)):
+    for accepted, prob in enumerate(accepted_law(h)):
         if prob <= 0:
             continue
-        v = x[:t]
-        dist = p(v) if t == L else _normalise(np.maximum(w[t] * p(v) - q(v), 0.0), p(v))
+        v = x[:accepted]
+        dist = p(v) if accepted == L else _normalise(np.maximum(w[accepted] * p(v) - q(v), 0.0), p(v))
         outs += _emit(prob, v, dist, p)
     return outs
 
@@ -206,18 +224,19 @@ def gbv(p, q, drafts):
     L, outs = len(drafts[0]), []
 
     def visit(prob, k, measure, best):
-        if k == len(drafts):  # correction from the final law; the rest of the window continues from it
+        if k == len(drafts):  # recovered token from the final law; the rest of the window continues from it
             cont = lambda v: measure.cond(v) if len(v) < L else p(v)  # noqa: E731
             outs.extend(_emit(prob, best, measure.cond(best), cont))
             return
         x = drafts[k]
-        for t, p_t in enumerate(tau_law(_greedy_h(measure, q, x))):
-            if p_t <= 0:
+        for accepted_k, prob_k in enumerate(accepted_law(_greedy_h(measure, q, x))):
+            if prob_k <= 0:
                 continue
-            if t == L:  # the whole block agrees with Y: bonus, beyond every pending window
-                outs.extend(_emit(prob * p_t, x, p(x), p))
+            if accepted_k == L:  # the whole block agrees with Y: bonus, beyond every pending window
+                outs.extend(_emit(prob * prob_k, x, p(x), p))
             else:
-                visit(prob * p_t, k + 1, _residual(measure, q, x[:t]), max(best, x[:t], key=len))
+                u = x[:accepted_k]
+                visit(prob * prob_k, k + 1, _residual(measure, q, u), max(best, u, key=len))
 
     visit(1.0, 0, _Measure(p), ())
     return outs
@@ -226,13 +245,19 @@ def gbv(p, q, drafts):
 # ---------------------------------------------------------------------------------------------------------------
 # Token-level tree verifiers: SpecTr K-SEQ (docs/algorithms.md §5), SpecInfer (§6), NSS (§7)
 # ---------------------------------------------------------------------------------------------------------------
+# Bisection to float64's fixed point: the bracket [1, k] stops moving once it spans adjacent doubles,
+# (k - 1) / 2^steps <= their spacing at 1, 2^-52. 64 = 52 + 12 steps get there for any k <= 2^12 + 1, so rho* is
+# exact to the last bit and the laws do not depend on the count (the kernel stops earlier: tree.RHO_BISECTION_STEPS).
+EXACT_RHO_BISECTION_STEPS = 64
+
+
 @functools.lru_cache(maxsize=1 << 12)
-def _kseq_rho(p_bytes, q_bytes, k, steps=64):
+def _kseq_rho(p_bytes, q_bytes, k):
     """Smallest rho in [1, k] with 1 - (1 - beta(rho))^k <= rho beta(rho) (bisection, valid upper end).
     Memoised on the bytes of p and q: the same nodes recur in many draft tuples."""
     p, q = np.frombuffer(p_bytes), np.frombuffer(q_bytes)
     lo, hi = 1.0, float(k)
-    for _ in range(steps):
+    for _ in range(EXACT_RHO_BISECTION_STEPS):
         mid = 0.5 * (lo + hi)
         beta = np.minimum(q, p / mid).sum()
         lo, hi = (mid, hi) if 1 - (1 - beta) ** k >= mid * beta else (lo, mid)
@@ -271,7 +296,7 @@ def _nss_node(p, q, children):
 
 def _tree(node_law):
     """Top-down walk of the draft trie: sample the node's output law, descend while the token is a child
-    (even when it came from a residual), else it is the correction; bonus at depth L."""
+    (even when it came from a residual), else it is the recovered token; bonus at depth L."""
 
     def verify(p, q, drafts):
         L, outs = len(drafts[0]), []
@@ -357,8 +382,8 @@ def spectr_gbv_paper(p, q, drafts):
         r = target * (1 - np.minimum(1.0, ratio)) ** K
         outs.extend(_emit(prob, acc, _normalise(r, pb), p))
 
-    def test(prob, k, length, tau, acc, seen):
-        """Draft k tests its sub-blocks of lengths length..L-1 (the range starts after the accepted prefix),
+    def test(prob, k, length, acc, seen):
+        """Draft k tests its sub-blocks of lengths length..L-1 (the range starts after the accepted sub-block acc),
         then its full block."""
         if prob <= 0:
             return
@@ -368,16 +393,16 @@ def spectr_gbv_paper(p, q, drafts):
         if length < L:
             u = x[:length]
             if u in seen:
-                return test(prob, k, length + 1, tau, acc, seen)
+                return test(prob, k, length + 1, acc, seen)
             h = h_sub(u)
-            test(prob * h, k, length + 1, length, u, seen)
-            return test(prob * (1 - h), k, length + 1, tau, acc, seen | {u})
+            test(prob * h, k, length + 1, u, seen)
+            return test(prob * (1 - h), k, length + 1, acc, seen | {u})
         h_full = min(1.0, gain(x) / covered(x))
         if h_full > 0:
             outs.extend(_emit(prob * h_full, x, p(x), p))
-        test(prob * (1 - h_full), k + 1, tau + 1, tau, acc, seen)
+        test(prob * (1 - h_full), k + 1, len(acc) + 1, acc, seen)
 
-    test(1.0, 0, 1, 0, (), frozenset())
+    test(1.0, 0, 1, (), frozenset())
     return outs
 
 
@@ -399,7 +424,7 @@ SINGLE_DRAFT = ("token", "bv")
 
 
 def outcomes(name, p, q, drafts):
-    """Exact law of one iteration given the K draft paths: [(prob, accepted prefix + extra token, cont)]."""
+    """Exact law of one iteration given the K draft paths: [(prob, accepted prefix + next token, cont)]."""
     return VERIFIERS[name](p, q, tuple(tuple(d) for d in drafts))
 
 
@@ -456,7 +481,7 @@ def stream_law(name, p, q, L, K, n, iterations=1):
 
 
 def law_error(name, p, q, L, K, iterations=1, n=None):
-    """max |law - target law| of the first n tokens (default L+1, the next block plus its extra token)."""
+    """max |law - target law| of the first n tokens (default L+1: the next block plus its recovered or bonus token)."""
     n = L + 1 if n is None else n
     return max_abs_diff(stream_law(name, p, q, L, K, n, iterations), target_law(p, n))
 
@@ -464,7 +489,7 @@ def law_error(name, p, q, L, K, iterations=1, n=None):
 def block_acceptance(name, p, q, draft):
     """h_1..h_L of a single draft for token, bv and gbv (K=1), in the form tau = max{i : U_i < h_i}: the same
     posteriors a batched kernel must compute on the same inputs. (Token SD's forward rule `stop at the first
-    U_i >= min(1, p/q)` is rewritten in this backward form; its tau law is the same.)"""
+    U_i >= min(1, p/q)` is rewritten in this backward form; its law of tau is the same.)"""
     x = tuple(draft)
     rules = {"token": _token_h, "bv": _bv_h, "gbv": lambda p, q, x: _greedy_h(_Measure(p), q, x)}
     if name not in rules:

@@ -1,6 +1,6 @@
 """Token-level multi-draft verifiers on the draft trie (docs/algorithms.md §5-7): walk down from the root; at each
 node a node solver turns p, q and the next tokens of the drafts through the node into one token distributed as p;
-descend if it is a child (even when it came from the residual), else it is the correction token."""
+descend if it is a child (even when it came from the residual), else it is the recovered token."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,12 @@ from torch import Tensor
 
 from .base import Verifier, VerifierOutput, normalise, pick, sample, uniforms
 
-RHO_BISECTION_STEPS = 40  # lossless at any count; why 40 is enough: docs/algorithms.md §11, note 6
+# Bisection steps for rho*, lossless at any count: the returned upper end is always valid (docs/algorithms.md §11,
+# note 6). The bracket [1, k] stops moving once it spans adjacent floats, (k - 1) / 2^steps <= their spacing at 1:
+# after 23 + log2(k - 1) steps in float32, so 40 reach float32's fixed point for any k <= 2^17 + 1. In float64 they
+# stop within (k - 1) 2^-40 ~ 1e-12 (k - 1) of rho*: its fixed point, 52 + log2(k - 1) steps, would cost a third more
+# sums over the vocabulary for an acceptance gain of that size (the exact reference goes there: 64 steps).
+RHO_BISECTION_STEPS = 40
 
 
 def first_alive(alive: Tensor) -> Tensor:
@@ -17,25 +22,26 @@ def first_alive(alive: Tensor) -> Tensor:
 
 
 class TreeVerifier(Verifier):
-    def verify(self, tokens, q, p, generator, state):
-        B, K, L = tokens.shape
-        alive = torch.ones(B, K, dtype=torch.bool, device=tokens.device)
-        descending = torch.ones(B, dtype=torch.bool, device=tokens.device)
-        depth = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        next_token = torch.zeros_like(depth)
+    def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
+        B, K, L = draft_tokens.shape
+        alive = torch.ones(B, K, dtype=torch.bool, device=draft_tokens.device)
+        descending = torch.ones(B, dtype=torch.bool, device=draft_tokens.device)
+        accepted = torch.zeros(B, dtype=torch.long, device=draft_tokens.device)
+        recovered = torch.zeros_like(accepted)
         for d in range(L):
             row = first_alive(alive)
-            children = tokens[:, :, d]
-            y = self.choose(pick(p[:, :, d], row), pick(q[:, :, d], row), children, alive, generator)
+            children = draft_tokens[:, :, d]
+            y = self.choose(pick(target_probs[:, :, d], row), pick(draft_probs[:, :, d], row), children, alive,
+                            generator)
             through_y = alive & (children == y[:, None])
             stop = descending & ~through_y.any(-1)
-            next_token = torch.where(stop, y, next_token)
+            recovered = torch.where(stop, y, recovered)
             descending &= ~stop
             alive = torch.where(descending[:, None], through_y, alive)
-            depth += descending
+            accepted += descending
         row = first_alive(alive)
-        bonus = sample(pick(p[:, :, L], row), generator)
-        return VerifierOutput(depth, row, torch.where(descending, bonus, next_token))
+        bonus = sample(pick(target_probs[:, :, L], row), generator)
+        return VerifierOutput(accepted, row, torch.where(descending, bonus, recovered))
 
     def choose(self, p: Tensor, q: Tensor, children: Tensor, alive: Tensor, generator) -> Tensor:
         """p, q [B, V] at the node; children [B, K] next draft tokens (valid where alive). Returns a token ~ p."""
