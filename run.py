@@ -1,9 +1,11 @@
 """Run one evaluation (or, with -m, a sweep of them): python run.py verifier=gbv num_drafts=4 dataset=all
 
-Composes conf/config.yaml, checks it, then lets Lightning's test loop decode every prompt (see spectr_gbv.experiment.module).
+Composes conf/config.yaml, checks it, then lets Lightning's test loop decode every prompt (see
+spectr_gbv.experiment.module).
 Each job writes predictions.jsonl and summary.json into its Hydra output folder; rerun with
 hydra.run.dir=<that folder> to finish a job that was interrupted.
 """
+import functools
 import logging
 import os
 import sys
@@ -18,48 +20,36 @@ from omegaconf import DictConfig, OmegaConf
 from spectr_gbv.errors import ConfigError
 from spectr_gbv.experiment.config import error_line, print_config_tree, validate
 
-KNOBS = ("num_drafts", "block_length", "temperature", "draft_temperature", "top_k", "top_p", "max_new_tokens",
-         "batch_size", "limit", "seed", "baseline")
+
+def exit_on_user_error(function):
+    """A user's mistake ends as one line and a non-zero status; a bug keeps its traceback. Wraps both the job (so a
+    sweep's job ends with its own line) and the command (for mistakes Hydra finds while composing)."""
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            line = error_line(error)
+            if line is None:
+                raise
+            sys.exit(line)  # SystemExit passes through Hydra's job runner without a report of its own
+    return wrapped
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@exit_on_user_error
 def main(cfg: DictConfig) -> float:
-    try:
-        return evaluate(cfg)
-    except Exception as error:
-        line = error_line(error)
-        if line is None:
-            raise
-        sys.exit(line)  # SystemExit passes through Hydra's job runner without a report of its own
-
-
-def evaluate(cfg: DictConfig) -> float:
     validate(cfg)  # before any model loads
     quiet_third_party()
     from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from spectr_gbv.experiment.data import PromptDataModule
-    from spectr_gbv.experiment.module import SpeculativeEvaluation, claim_folder, print_summary
-    from spectr_gbv.decoding.sampling import Sampling
+    from spectr_gbv.experiment.records import claim_folder
 
-    if HydraConfig.get().mode == RunMode.MULTIRUN and "group" in (cfg.logger or {}) and cfg.logger.group is None:
-        cfg.logger.group = Path(HydraConfig.get().sweep.dir).name  # the jobs of one sweep form one W&B group
     rank_zero_only(print_config_tree)(cfg)
-
-    knobs = {"verifier": cfg.verifier.name, **{key: cfg[key] for key in KNOBS}, "datasets": list(cfg.dataset),
-             "model_config": OmegaConf.to_container(cfg.model, resolve=True),
-             "drafter_config": OmegaConf.to_container(cfg.drafter, resolve=True)}
-    rank_zero_only(claim_folder)(Path(cfg.output_dir), knobs)  # the other processes start after it, in test()
-    sampling = Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                        draft_temperature=cfg.draft_temperature)
-    module = SpeculativeEvaluation(
-        load_target=instantiate(cfg.model), load_drafter=instantiate(cfg.drafter), verifier=cfg.verifier.name,
-        num_drafts=cfg.num_drafts, block_length=cfg.block_length, sampling=sampling,
-        max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, baseline=cfg.baseline, output_dir=cfg.output_dir,
-        knobs=knobs)
-    datamodule = PromptDataModule(cfg.dataset, limit=cfg.limit, batch_size=cfg.batch_size)
+    module, datamodule = instantiate(cfg.module), instantiate(cfg.data)
+    rank_zero_only(claim_folder)(Path(cfg.output_dir), module.job(datamodule))  # other ranks start in test()
     logger = instantiate(cfg.logger) if cfg.logger else False
     trainer = instantiate(cfg.trainer, logger=logger)
     if (HydraConfig.get().mode == RunMode.MULTIRUN and trainer.num_devices > 1
@@ -75,8 +65,7 @@ def evaluate(cfg: DictConfig) -> float:
         sys.exit(f"error: stopped by SIGTERM; every finished prompt's record is kept in {cfg.output_dir}: rerun the "
                  f"same command with hydra.run.dir={cfg.output_dir} to resume")
     finally:
-        wandb_dir = finish_wandb()  # each multirun job is its own W&B run
-    rank_zero_only(print_summary)(module.summary, Path(cfg.output_dir), wandb_dir)
+        finish_wandb()  # each multirun job is its own W&B run
     return module.summary.get("metrics", {}).get("overall", {}).get("block_efficiency", float("nan"))
 
 
@@ -99,25 +88,16 @@ def start_logger(logger, cfg: DictConfig) -> None:
                           "`wandb login`, or use logger.mode=offline (the default)") from error
 
 
-def finish_wandb() -> str | None:
-    """Finish this job's W&B run, if one started; returns the folder it was written to."""
+def finish_wandb() -> None:
+    """Finish this job's W&B run, if one started."""
     if "wandb" in sys.modules:
         import wandb
 
         if wandb.run is not None:
-            folder = str(Path(wandb.run.dir).parent)
             wandb.finish()
-            return folder
-    return None
 
 
 if __name__ == "__main__":
     # Let Hydra's exceptions reach us, so that a user's mistake becomes one line instead of Hydra's report.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    try:
-        main()
-    except Exception as error:
-        line = error_line(error)
-        if line is None:
-            raise
-        sys.exit(line)
+    exit_on_user_error(main)()

@@ -78,6 +78,18 @@ def test_sweep_preset_composes(make_cfg):
     assert all(VERIFIERS[name].max_drafts is None for name in params.verifier.split(","))
 
 
+def test_wandb_sweep_is_the_hydra_preset(make_cfg, capsys):
+    import yaml
+
+    from spectr_gbv.tools import wandb_sweep
+
+    wandb_sweep.main(["drafts_x_block", "dataset=all"])
+    sweep = yaml.safe_load(capsys.readouterr().out)
+    params = make_cfg("+sweep=drafts_x_block").hydra.sweeper.params
+    assert {knob: ",".join(map(str, grid["values"])) for knob, grid in sweep["parameters"].items()} == params
+    assert sweep["command"][-3:] == ["logger=wandb", "logger.mode=online", "dataset=all"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["num_drafts=0"], "num_drafts=0: must be >= 1"),
     (["block_length=0"], "block_length=0: must be >= 1"),

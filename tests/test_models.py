@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from spectr_gbv import models
+from spectr_gbv.decoding import models
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, packaged, pretrained, tiny
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "1 + 1 = ", "Once upon a time"]

@@ -255,7 +255,7 @@ def test_local_ddp_inside_a_sweep_is_refused(tmp_path):
 
 def test_torn_last_line_is_decoded_again_and_shards_merge(tmp_path):
     """A kill in the middle of a write (possible on some filesystems) loses only that prompt; rank files merge."""
-    from spectr_gbv.experiment.module import merge_rank_files, open_for_append, read_records, records_in
+    from spectr_gbv.experiment.records import merge_rank_files, open_for_append, read_records, records_in
 
     main, shard = tmp_path / "predictions.jsonl", tmp_path / "predictions.rank1.jsonl"
     main.write_text('{"dataset": "d", "prompt_id": 0}\n{"dataset": "d", "prom')

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: Any, allowed: str):
         super().__init__(f"{key}={value}: {allowed}")
         self.key, self.value, self.allowed = key, value, allowed
+
+
+class ModelUnavailable(OSError):
+    """A hub id that cannot be loaded here (no network, or no such model): the user's input, not a bug."""

@@ -25,7 +25,8 @@ from spectr_gbv.decoding.cache import COMMITTED, SlotCache
 from spectr_gbv.decoding.draft_tree import node_labels, nodes_at, on_path, representatives
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.decoding.sampling import Sampling, warp
-from spectr_gbv.verifiers import build_verifier
+from spectr_gbv.errors import ConfigError
+from spectr_gbv.verifiers import VERIFIERS, build_verifier
 from spectr_gbv.verifiers.base import sample
 
 
@@ -125,12 +126,22 @@ class Rows:
         return False
 
 
+def check_settings(verifier: str, num_drafts: int, block_length: int, max_new_tokens: int = 1) -> None:
+    """The one check of the engine's knobs, also run on the run's config before any model loads."""
+    if verifier != "ar" and verifier not in VERIFIERS:
+        raise ConfigError("verifier", verifier, f"unknown verifier; choose one of ar, {', '.join(sorted(VERIFIERS))}")
+    for key, value in [("num_drafts", num_drafts), ("block_length", block_length), ("max_new_tokens", max_new_tokens)]:
+        if not (isinstance(value, int) and value >= 1):
+            raise ConfigError(key, value, "must be >= 1")
+    if verifier != "ar":
+        VERIFIERS[verifier].check_num_drafts(num_drafts)
+
+
 class SpeculativeEngine:
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None, verifier: str, num_drafts: int = 1,
                  block_length: int = 4, sampling: Sampling = Sampling()):
-        for key, value in [("num_drafts", num_drafts), ("block_length", block_length)]:
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{key}={value!r} is not allowed: must be an integer >= 1")
+        check_settings(verifier, num_drafts, block_length)
+        self.verifier_name = verifier
         self.verifier = None if verifier == "ar" else build_verifier(verifier)
         if self.verifier is not None and drafter is None:
             raise ValueError(f"verifier={verifier!r} needs a drafter; only 'ar' runs without one")
@@ -157,8 +168,7 @@ class SpeculativeEngine:
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         if len(generators) != len(prompts):
             raise ValueError(f"got {len(generators)} generators for {len(prompts)} prompts: give one per prompt")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} is not allowed: must be >= 1")
+        check_settings(self.verifier_name, self.num_drafts, self.block_length, max_new_tokens)
         rows = Rows(prompts, generators, max_new_tokens, self.eos_ids, on_finish, should_stop)
         if self.verifier is None:
             self._autoregressive(rows)
@@ -171,10 +181,10 @@ class SpeculativeEngine:
         pending = rows.ids  # tokens the target has not seen yet: the prompts, then each sampled token
         prefill = True
         while rows.going_on():
-            tick = time.perf_counter()
+            started = time.perf_counter()
             tokens = sample(self._target_warp(cache.append(pending)), rows.generators).tolist()
             for key in ("prefill_time" if prefill else "target_time", "total_time"):
-                rows.charge(key, time.perf_counter() - tick)
+                rows.charge(key, time.perf_counter() - started)
             rows.count_iteration([0 if prefill else 1] * len(rows))
             prefill = False
             going = rows.emit([[token] for token in tokens])
@@ -191,34 +201,35 @@ class SpeculativeEngine:
         # trie makes the pass return p at the block start. The drafter's lacks the last one or two (it never feeds
         # the last token it drafts).
         target, drafter = SlotCache(self.target, len(rows)), SlotCache(self.drafter, len(rows))
-        tick = time.perf_counter()
+        started = time.perf_counter()
         target.append([ids[:-1] for ids in rows.ids])
         drafter.append([ids[:-1] for ids in rows.ids])
-        rows.charge("prefill_time", time.perf_counter() - tick)
-        rows.charge("total_time", time.perf_counter() - tick)
+        rows.charge("prefill_time", time.perf_counter() - started)
+        rows.charge("total_time", time.perf_counter() - started)
         state = None
         while rows.going_on():
-            tick = time.perf_counter()
+            started = time.perf_counter()
             target_start, drafter_start = target.size, drafter.size
             tokens, q = self._draft(drafter, rows)
-            tock = time.perf_counter()
+            after_draft = time.perf_counter()
             p, first, positions = self._score(target, rows, tokens)
-            tack = time.perf_counter()
+            after_score = time.perf_counter()
             dtype = torch.promote_types(p.dtype, q.dtype)
             out = self.verifier(tokens, q.to(dtype), p.to(dtype), generator=rows.generators, state=state)
             accepted, winner = out.num_accepted.to(tokens.device), out.draft_index.to(tokens.device)
+            # each row emits its winning draft's accepted tokens, then the recovered or bonus token
             emitted = [path[:n] + [token] for path, n, token in zip(
                 tokens[torch.arange(len(rows)), winner].tolist(), accepted.tolist(), out.next_token.tolist())]
-            rows.charge("verify_time", time.perf_counter() - tack)
-            rows.charge("draft_time", tock - tick)
-            rows.charge("target_time", tack - tock)
+            rows.charge("verify_time", time.perf_counter() - after_score)
+            rows.charge("draft_time", after_draft - started)
+            rows.charge("target_time", after_score - after_draft)
             # Keep the winning path: the target has seen the root and every node, the drafter the pending tokens
             # and the nodes above the last depth. The new token (and, after a full acceptance, the last draft token
             # for the drafter) is fed next time.
             target.keep(target_start, on_path(target.label[:, target_start:], first, winner, accepted))
             drafter.keep(drafter_start, on_path(drafter.label[:, drafter_start:], first, winner,
                                                 accepted.clamp(max=self.block_length - 1)))
-            rows.charge("total_time", time.perf_counter() - tick)
+            rows.charge("total_time", time.perf_counter() - started)
             rows.count_iteration(positions, accepted.tolist(), winner.tolist())
             state = out.state
             going = rows.emit(emitted)

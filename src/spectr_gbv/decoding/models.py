@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from spectr_gbv.errors import ModelUnavailable
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -33,9 +35,12 @@ class LoadedModel:
     tokenizer: transformers.PreTrainedTokenizerBase
     name: str
 
-
-class ModelUnavailable(OSError):
-    """A hub id that cannot be loaded here (no network, or no such model): the user's input, not a bug."""
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a user prompt, through the chat template when the tokenizer has one (tiny models: plain)."""
+        if self.tokenizer.chat_template is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -161,11 +166,20 @@ def prepare(name: str) -> Path:
 
 def chunk_path(name: str, chunk: str) -> Path:
     package, inside = chunk.split("/", 1)
-    spec = importlib.util.find_spec(package)  # locate, never import: these packages are only data
-    if spec is None or not spec.submodule_search_locations:
+    folder = package_folder(package)
+    if folder is None:
         raise FileNotFoundError(f"model {name!r} is not installed (package {package.replace('_', '-')} is missing);"
                                 f" run `make models`")
-    return Path(spec.submodule_search_locations[0]) / inside
+    return folder / inside
+
+
+def package_folder(package: str) -> Path | None:
+    """The folder of an installed package, found without importing it: the model chunks and the datasets ship as
+    files inside packages whose code (and dependencies) are not used. None when it is not installed."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def assemble(name: str, package: Packaged, gguf: Path) -> None:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from spectr_gbv.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -19,15 +21,16 @@ class Sampling:
     draft_temperature: float | None = None
 
     def __post_init__(self):
-        for key, value, ok, allowed in [
-            ("temperature", self.temperature, self.temperature >= 0, ">= 0"),
-            ("top_k", self.top_k, self.top_k >= 0, ">= 0 (0 = off)"),
-            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
-            ("draft_temperature", self.draft_temperature,
-             self.draft_temperature is None or self.draft_temperature >= 0, ">= 0 or None"),
+        """The one range check of these settings (the run's config check builds a Sampling to run it)."""
+        for key, ok, allowed in [
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1] (1 = off)"),
+            ("draft_temperature", self.draft_temperature is None or self.draft_temperature >= 0,
+             "must be >= 0, or null for the target's temperature"),
         ]:
             if not ok:
-                raise ValueError(f"sampling.{key}={value!r} is not allowed: must be {allowed}")
+                raise ConfigError(key, getattr(self, key), allowed)
 
     @property
     def drafter_temperature(self) -> float:

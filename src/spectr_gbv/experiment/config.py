@@ -12,14 +12,16 @@ import rich.syntax
 import rich.tree
 import torch
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import (ConfigCompositionException, InstantiationException, MissingConfigException,
                           OverrideParseException)
+from hydra.types import RunMode
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from spectr_gbv.decoding.models import ModelUnavailable
-from spectr_gbv.errors import ConfigError
-from spectr_gbv.verifiers import VERIFIERS
+from spectr_gbv.decoding.engine import check_settings
+from spectr_gbv.decoding.sampling import Sampling
+from spectr_gbv.errors import ConfigError, ModelUnavailable
 
 
 @dataclass
@@ -49,22 +51,30 @@ class Config:
     seed: int = MISSING
     baseline: bool = MISSING  # also decode every prompt with `ar` and report the speedup
     output_dir: str = MISSING
+    # built from the knobs above in conf/config.yaml
+    module: Any = MISSING
+    data: Any = MISSING
 
 
 ConfigStore.instance().store(name="base_config", node=Config)
 
 
+def sweep_group() -> Optional[str]:
+    """${sweep_group:} in conf/logger/wandb.yaml: inside a -m sweep the sweep folder's name, else None."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return Path(HydraConfig.get().sweep.dir).name
+
+
+OmegaConf.register_new_resolver("sweep_group", sweep_group, replace=True)
+
+
 def validate(cfg: DictConfig) -> None:
-    """Range checks that types cannot express; raises ConfigError on the first bad knob."""
+    """Range checks that types cannot express, before any model loads; raises ConfigError on the first bad knob.
+    The sampling settings and the engine's knobs are checked by their own code (one place per rule)."""
+    Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, draft_temperature=cfg.draft_temperature)
+    check_settings(cfg.verifier.name, cfg.num_drafts, cfg.block_length, cfg.max_new_tokens)
     checks = [
-        ("num_drafts", cfg.num_drafts >= 1, "must be >= 1"),
-        ("block_length", cfg.block_length >= 1, "must be >= 1"),
-        ("temperature", cfg.temperature >= 0, "must be >= 0 (0 = greedy)"),
-        ("draft_temperature", cfg.draft_temperature is None or cfg.draft_temperature >= 0,
-         "must be >= 0, or null for the target's temperature"),
-        ("top_k", cfg.top_k >= 0, "must be >= 0 (0 = off)"),
-        ("top_p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
-        ("max_new_tokens", cfg.max_new_tokens >= 1, "must be >= 1"),
         ("block_length", cfg.block_length <= cfg.max_new_tokens,
          f"must be <= max_new_tokens ({cfg.max_new_tokens}): a longer draft can never be emitted"),
         ("batch_size", cfg.batch_size >= 1, "must be >= 1"),
@@ -73,14 +83,6 @@ def validate(cfg: DictConfig) -> None:
     for key, ok, allowed in checks:
         if not ok:
             raise ConfigError(key, cfg[key], allowed)
-    name = cfg.verifier.name
-    if name != "ar":
-        if name not in VERIFIERS:
-            raise ConfigError("verifier.name", name, f"choose one of ar, {', '.join(sorted(VERIFIERS))}")
-        max_drafts = VERIFIERS[name].max_drafts
-        if max_drafts is not None and cfg.num_drafts > max_drafts:
-            raise ConfigError("num_drafts", cfg.num_drafts,
-                              f"verifier {name} takes at most {max_drafts} draft(s)")
     for side in ("model", "drafter"):
         check_model_path(side, cfg[side])
     if cfg.trainer.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():

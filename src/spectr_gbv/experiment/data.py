@@ -1,6 +1,5 @@
 """Prompts: the five real datasets (files shipped inside pip packages, read offline), a hub id for users with network,
 or a few inline texts; and the Lightning data module that shards them over ranks without duplicates."""
-import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 
+from spectr_gbv.decoding.models import package_folder
 from spectr_gbv.errors import ConfigError
 
 
@@ -41,12 +41,11 @@ def load_prompts(name: str, template: str, texts: list[str] | None = None, packa
 
 
 def packaged_file(name: str, package: str, file: str) -> Path:
-    """A data file inside an installed package, found without importing the package (its dependencies are
-    deliberately not installed)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    """A data file inside an installed package (its dependencies are deliberately not installed)."""
+    folder = package_folder(package)
+    if folder is None:
         raise ConfigError("dataset", name, f"needs the pip package providing `{package}`; run `make install`")
-    path = Path(next(iter(spec.submodule_search_locations))) / file
+    path = folder / file
     if not path.is_file():
         raise ConfigError("dataset", name, f"file {path} is missing; reinstall the package providing `{package}`")
     return path
@@ -61,7 +60,9 @@ class PromptDataModule(LightningDataModule):
     """
 
     def __init__(self, datasets: Mapping, limit: int | None, batch_size: int = 1):
+        """datasets: name -> a node that instantiates to its prompts (conf/dataset/)."""
         super().__init__()
+        self.save_hyperparameters(logger=False)  # part of the job's knobs (SpeculativeEvaluation.job)
         self.dataset_configs = datasets
         self.limit, self.batch_size = limit, batch_size
         self.names = list(datasets)

@@ -60,10 +60,10 @@ def pending_state(verifier, x, q, p):
     raise RuntimeError("no call left a pending modification")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m spectr_gbv.tools.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds of timing per measurement")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"machine: {machine('float32')}")
     for B, K, L, V in [(1, 4, 8, 151_936), (10_000, 3, 3, 3)]:
         print(f"\nB={B} K={K} L={L} V={V} float32: one call, and its ratio to one softmax of target_probs' size")

@@ -130,13 +130,6 @@ def load_pair(use_tiny: bool, dtype: str) -> tuple[LoadedModel, LoadedModel]:
             packaged("qwen2.5-coder-0.5b-instruct", dtype=dtype))
 
 
-def encode(target: LoadedModel, text: str) -> list[int]:
-    if target.tokenizer.chat_template is None:  # the tiny byte-level tokenizer
-        return target.tokenizer(text, add_special_tokens=False).input_ids
-    messages = [{"role": "user", "content": text}]
-    return target.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
-
-
 def engine_method(target, drafter, verifier, max_new_tokens, temperature, num_drafts=1, block_length=4):
     engine = SpeculativeEngine(target, None if verifier == "ar" else drafter, verifier, num_drafts, block_length,
                                Sampling(temperature))
@@ -365,7 +358,8 @@ def report_batch(runs: list[BatchRun], title: str, console: Console) -> None:
 # --- command line --------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m spectr_gbv.tools.bench_engine",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny random models (seconds, for smoke tests)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="model dtype (default: bfloat16, tiny: float32); without AMX or AVX512-BF16, float32 "
@@ -395,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(f"machine: {about}")
     target, drafter = load_pair(args.tiny, args.dtype)
     texts = PROMPTS[:max(args.prompts, args.batch_prompts)]
-    encoded = [encode(target, text) for text in texts]
+    encoded = [target.encode_prompt(text) for text in texts]
     prompts, batch_prompts = encoded[:args.prompts], encoded[:args.batch_prompts]
     L, n = args.block_length, args.max_new_tokens
     # Warm-up: first calls pay one-time costs (a batch of several drafts, and transformers' assisted path).

@@ -21,6 +21,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from spectr_gbv.experiment.records import read_records  # noqa: E402
+
 COLUMNS = ("job", "dataset", "verifier", "num_drafts", "block_length", "temperature", "prompts", "new_tokens",
            "block_efficiency", "block_efficiency_se", "mean_accepted_length", "tokens_per_s", "speedup",
            "max_new_tokens", "model", "drafter")
@@ -82,8 +84,6 @@ def dataset_table(rows: list[dict]) -> str:
 def greedy_agreement(rows: list[dict], folder: Path) -> str:
     """At temperature 0 every lossless verifier must emit the target's greedy tokens: for each temperature-0 job,
     how many of its prompts have exactly the output tokens of the `ar` job below the same folder."""
-    from spectr_gbv.experiment.module import read_records  # lazily: it imports torch and Lightning
-
     greedy = {row["job"]: row for row in rows if row["temperature"] == 0}  # one entry per job, in folder order
     reference = next((job for job, row in greedy.items() if row["verifier"] == "ar"), None)
     if reference is None:
@@ -159,7 +159,7 @@ def report(folder: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m spectr_gbv.tools.report", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a run or multirun folder (searched recursively)")
     folder = parser.parse_args(argv).folder
     if not folder.is_dir():

@@ -1,0 +1,65 @@
+"""What a run shows besides its files, as Lightning callbacks listed in conf/trainer/default.yaml: the end-of-run
+summary on the console, and the W&B extras (a histogram and a predictions table) when a W&B logger is configured."""
+from pathlib import Path
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from spectr_gbv.experiment.records import records_in
+
+
+class RunSummary(Callback):
+    """What a person reads at the end of a run: per dataset, the block efficiency with its standard error, the mean
+    accepted length, tokens/s and the speedup when measured; then where the records, summary and W&B run are.
+    Printed at teardown, after the progress bar (listed before it) has closed its live display."""
+
+    @rank_zero_only
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        if not pl_module.summary:  # the run did not finish
+            return
+        summary, folder = pl_module.summary, Path(pl_module.hparams.output_dir)
+        title = (f"{summary['verifier']}, K={summary['num_drafts']}, L={summary['block_length']}, "
+                 f"T={summary['temperature']}, {summary['model']} <- {summary['drafter']}")
+        table = Table(title=title, title_justify="left")
+        for column in ("dataset", "prompts", "block efficiency", "mean accepted", "tokens/s", "speedup vs ar"):
+            table.add_column(column, justify="left" if column == "dataset" else "right")
+        metrics = summary["metrics"]
+        for name, m in metrics.items():
+            if name == "overall" and len(metrics) == 2:  # one dataset: its row is the overall one
+                continue
+            se = f" ± {m['block_efficiency_se']:.2f}" if m["prompts"] > 1 else ""
+            speedup = f"{m['speedup']:.2f}x" if "speedup" in m else "-"
+            table.add_row(name, str(m["prompts"]), f"{m['block_efficiency']:.2f}{se}",
+                          f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.2f}", speedup)
+        Console().print(table)
+        print(f"records: {folder / 'predictions.jsonl'}\nsummary: {folder / 'summary.json'}")  # paths unwrapped
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                print(f"W&B run: {Path(logger.experiment.dir).parent}")
+
+
+class WandbExtras(Callback):
+    """What scalars cannot show, for each W&B logger: the acceptance-length histogram and a predictions table."""
+
+    @rank_zero_only
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                log_extras(logger, pl_module.summary["metrics"]["overall"], Path(pl_module.hparams.output_dir))
+
+
+def log_extras(logger: WandbLogger, overall: dict, folder: Path) -> None:
+    import numpy as np
+    import wandb
+
+    counts = np.array(overall["accepted_length_histogram"])
+    edges = np.arange(len(counts) + 1) - 0.5  # one bin per accepted length 0..L
+    logger.experiment.log({"overall/accepted_length_histogram": wandb.Histogram(np_histogram=(counts, edges))})
+    columns = ["dataset", "prompt_id", "prompt", "output", "new_tokens", "target_calls", "block_efficiency"]
+    rows = [[r["dataset"], r["prompt_id"], r["prompt"], r["output"], r["new_tokens"], r["target_calls"],
+             r["new_tokens"] / r["target_calls"]] for r in records_in(folder / "predictions.jsonl").values()]
+    logger.log_table(key="predictions", columns=columns, data=rows)
