@@ -1,45 +1,51 @@
 #!/usr/bin/env bash
-# The study of docs/results.md, on the Qwen2.5-Coder 1.5B / 0.5B pair, with the project's own commands.
-# Sized for a 2-core, 24 GB CPU machine, 32 new tokens: the main table 2 prompts per dataset (a standard error
-# needs two), the drafts x block ablation 1 MT-Bench prompt, the temperature ablation 1 HumanEval prompt, exactness
-# float32 with 2 MT-Bench prompts of 24 tokens. One job at a time: two float32 jobs do not fit in 24 GB together, and
-# the speedups need a quiet machine. Rerunning a part resumes it (every job skips the prompts already recorded in its
-# folder; a larger limit adds prompts).
-# Usage: bash sweeps/study.sh [main|ablation|temperature|exactness]...   (default: all four)
-set -euo pipefail
+# The study of docs/results.md on the Qwen2.5-Coder 1.5B / 0.5B pair (bfloat16), with the project's own commands.
+# Every part writes below docs/study/<part>/ and resumes: a job skips the prompts already recorded in its folder, and a
+# larger LIMIT adds prompts to every job of a part (so a part can grow in passes: LIMIT=4, then 8, ... 20, each pass
+# leaving every method with the same prompts). One part at a time: the speed part needs a quiet machine.
+# Usage: [LIMIT=N] bash sweeps/study.sh [main|ablation|temperature|speed|audit]...   (default: all five)
+set -euo pipefail -f  # -f: no globbing, the overrides hold brackets
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
-COMMON="logger=none limit=1 max_new_tokens=32"
+PY=${PY:-.venv/bin/python}
+RUN=${RUN:-run.py}
+OUT=${OUT:-docs/study}
+LIMIT=${LIMIT:-20}
+K1="token,bv,gbv"                                            # the single-draft verifiers (and gbv at K = 1)
+K3="spectr,specinfer,nss,multipath,gbv,spectr_gbv_paper"     # the multi-draft ones at K = 3
 
-main() {  # Table 1: block length 8, temperature 0.4, the five datasets, speedup over ar measured in each job
-  local MAIN="logger=none limit=2 max_new_tokens=32 block_length=8 temperature=0.4 dataset=all baseline=true"
-  $PY run.py -m verifier=token,bv,gbv num_drafts=1 $MAIN hydra.sweep.dir=docs/runs/main/k1
-  $PY run.py -m verifier=spectr,specinfer,multipath,gbv,spectr_gbv_paper num_drafts=3 $MAIN \
-    hydra.sweep.dir=docs/runs/main/k3
+main() {  # the paper's Table 1 shape: L = 8, T = 0.4, the five datasets, 20 prompts each, 128 new tokens
+  local MAIN="dataset=all limit=$LIMIT max_new_tokens=128 block_length=8 temperature=0.4 batch_size=8 logger=none"
+  $PY $RUN -m verifier=$K1 num_drafts=1 $MAIN hydra.sweep.dir=$OUT/main/k1
+  $PY $RUN -m verifier=$K3 num_drafts=3 $MAIN hydra.sweep.dir=$OUT/main/k3
 }
 
-ablation() {  # num_drafts x block_length for gbv and spectr, on MT-Bench (HumanEval's first prompt accepts every
-  # draft at every K and L: block efficiency 2.91 / 4.57 / 8.00 for L = 2 / 4 / 8 whatever K, so it shows nothing)
-  $PY run.py -m verifier=gbv num_drafts=1,2,3,4 block_length=2,4,8 temperature=0.4 dataset=mtbench $COMMON \
-    hydra.sweep.dir=docs/runs/ablation/gbv
-  $PY run.py -m verifier=spectr num_drafts=1,2,3,4 block_length=2,4,8 temperature=0.4 dataset=mtbench $COMMON \
-    hydra.sweep.dir=docs/runs/ablation/spectr
+ablation() {  # num_drafts x block_length for gbv and spectr, MT-Bench and HumanEval, 20 prompts each, 64 new tokens
+  local ABL="dataset=[mtbench,humaneval] limit=$LIMIT max_new_tokens=64 temperature=0.4"
+  for verifier in gbv spectr; do
+    $PY $RUN -m verifier=$verifier num_drafts=1,2,3,4 block_length=2,4,8 $ABL batch_size=8 logger=none \
+      hydra.sweep.dir=$OUT/ablation/$verifier
+  done
 }
 
-temperature() {  # gbv, K=3, L=8 at temperature 0 (drafts at 0.4, or all K drafts would be equal), 0.4 and 1.0
-  $PY run.py verifier=gbv num_drafts=3 block_length=8 temperature=0 draft_temperature=0.4 dataset=humaneval \
-    $COMMON hydra.run.dir=docs/runs/temperature/t0
-  $PY run.py -m verifier=gbv num_drafts=3 block_length=8 temperature=0.4,1.0 dataset=humaneval $COMMON \
-    hydra.sweep.dir=docs/runs/temperature/t
+temperature() {  # gbv and spectr at K = 3, L = 8 on the ablation's 40 prompts; at T = 0 the drafts sample at 0.4
+  local TEMP="dataset=[mtbench,humaneval] limit=$LIMIT max_new_tokens=64 num_drafts=3"
+  TEMP="$TEMP block_length=8 batch_size=8 logger=none"
+  $PY $RUN -m verifier=gbv,spectr temperature=0 draft_temperature=0.4 $TEMP hydra.sweep.dir=$OUT/temperature/t0
+  $PY $RUN -m verifier=gbv,spectr temperature=0.4,0.7,1.0 $TEMP hydra.sweep.dir=$OUT/temperature/t
 }
 
-exactness() {  # temperature 0, float32: every lossless verifier must emit ar's tokens on the same prompts
-  F32="model.dtype=float32 drafter.dtype=float32 temperature=0 dataset=mtbench logger=none limit=2 max_new_tokens=24"
-  $PY run.py -m verifier=ar,token,bv,gbv num_drafts=1 block_length=4 $F32 hydra.sweep.dir=docs/runs/exactness/k1
-  $PY run.py -m verifier=gbv,spectr,specinfer,nss,multipath,spectr_gbv_paper num_drafts=3 block_length=4 \
-    draft_temperature=1.0 $F32 hydra.sweep.dir=docs/runs/exactness/k3
+speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = 4, T = 0.4, 2 prompts per dataset
+  local SPEED="dataset=all limit=2 max_new_tokens=128 block_length=4 temperature=0.4 batch_size=1 baseline=true"
+  $PY $RUN -m verifier=$K1 num_drafts=1 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k1
+  $PY $RUN -m verifier=$K3 num_drafts=3 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k3
+  $PY -m spectr_gbv.tools.bench_engine --block-length 4 --max-drafts 3 > $OUT/speed/bench_engine.txt  # the limits
 }
 
-for part in "${@:-main ablation temperature exactness}"; do
-  for p in $part; do "$p"; done
+audit() {  # exact audit on distributions of the real pair: 20 contexts, top-8 tokens, depth 2, K = 1, 2, 3
+  mkdir -p $OUT/audit
+  $PY -m spectr_gbv.tools.audit --real --json $OUT/audit/real.json
+}
+
+for part in ${@:-main ablation temperature speed audit}; do
+  "$part"
 done
