@@ -86,3 +86,35 @@ def test_greedy_agreement_counts_prompts_with_ar_tokens(tmp_path, capsys):
         (tmp_path / job / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     main([str(tmp_path)])
     assert "| gbv K=1 | 1 / 2 |" in capsys.readouterr().out
+
+
+def test_paired_differences_resolve_an_ordering_with_a_seeded_interval(tmp_path, capsys):
+    # gbv K=3 emits one more token per call than spectr on every prompt: resolved. Against gbv K=1 it gains
+    # +1 or -1 in turn: the interval holds 0.
+    for job, (verifier, k) in enumerate([("gbv", 3), ("spectr", 3), ("gbv", 1)]):
+        write_summary(tmp_path / str(job), verifier, k, 8, datasets=["mtbench", "gsm8k"])
+        new = {("gbv", 3): lambda i: 50, ("spectr", 3): lambda i: 40, ("gbv", 1): lambda i: 40 + 20 * (i % 4 < 2)}
+        records = [{"dataset": ("mtbench", "gsm8k")[i % 2], "prompt_id": i // 2, "new_tokens": new[verifier, k](i),
+                    "target_calls": 10} for i in range(12)]
+        (tmp_path / str(job) / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    main([str(tmp_path)])
+    out = capsys.readouterr().out
+    spectr_row = next(line for line in out.splitlines() if line.startswith("| gbv K=3 - spectr K=3 "))
+    assert "| L=8 T=1.0 | +1.00 [+1.00, +1.00] | +1.00 [+1.00, +1.00] | +1.00 [+1.00, +1.00] |" in spectr_row
+    assert spectr_row.endswith("| gbv K=3 higher: resolved (12 prompts) |")
+    assert "unresolved, the interval holds 0 (12 prompts)" in next(
+        line for line in out.splitlines() if line.startswith("| gbv K=3 - gbv K=1 "))
+    assert (tmp_path / "paired_differences.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "block_efficiency_by_dataset.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_paired_bootstrap_is_seeded_and_covers_the_mean():
+    from spectr_gbv.experiment.metrics import paired_difference
+
+    a = {("d", i): float(i % 5) for i in range(50)} | {("e", i): 1.0 for i in range(10)}
+    b = {key: 0.0 for key in a} | {("d", 99): 3.0}  # unpaired prompts are left out
+    first, again = paired_difference(a, b), paired_difference(a, b)
+    assert first == again and first["overall"]["prompts"] == 60 and first["e"] == {
+        "prompts": 10, "mean": 1.0, "low": 1.0, "high": 1.0}
+    assert first["d"]["low"] < first["d"]["mean"] == 2.0 < first["d"]["high"]
+    assert first["overall"]["low"] < (100 + 10) / 60 < first["overall"]["high"]

@@ -1,12 +1,25 @@
-"""What a run shows besides its files, as Lightning callbacks listed in conf/trainer/default.yaml: the end-of-run
-summary on the console, and the W&B extras (a histogram and a predictions table) when a W&B logger is configured."""
+"""What a run does besides decoding, as Lightning callbacks listed in conf/trainer/default.yaml: the CPU thread
+split of multi-process runs, the end-of-run summary on the console, and the W&B extras (a histogram and a
+predictions table) when a W&B logger is configured."""
+import os
 from pathlib import Path
+
+import torch
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from spectr_gbv.experiment.records import records_in
+
+
+class SplitCpuThreads(Callback):
+    """N processes on one machine's CPU: each takes its share of the cores, as torchrun does, or their thread pools
+    thrash. Before the models load (the module's setup runs after the callbacks')."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.strategy.root_device.type == "cpu" and trainer.num_devices > 1:
+            torch.set_num_threads(max(1, os.cpu_count() // trainer.num_devices))
 
 
 class RunSummary(Callback):

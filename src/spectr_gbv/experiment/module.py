@@ -40,9 +40,6 @@ class SpeculativeEvaluation(LightningModule):
 
     # ---- setup: models, engines, what earlier attempts already recorded -------------------------------------
     def setup(self, stage: str) -> None:
-        if self.trainer.strategy.root_device.type == "cpu" and self.trainer.num_devices > 1:
-            # N processes on one machine: split the cores as torchrun does, or their thread pools thrash
-            torch.set_num_threads(max(1, os.cpu_count() // self.trainer.num_devices))
         hp = self.hparams
         self.target = instantiate(hp.model_config)()
         drafter = None

@@ -21,12 +21,17 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from spectr_gbv.experiment.metrics import paired_difference  # noqa: E402
 from spectr_gbv.experiment.records import read_records  # noqa: E402
 
 COLUMNS = ("job", "dataset", "verifier", "num_drafts", "block_length", "temperature", "prompts", "new_tokens",
            "block_efficiency", "block_efficiency_se", "mean_accepted_length", "tokens_per_s", "speedup",
            "max_new_tokens", "model", "drafter")
 KNOBS_IN_LABEL = ("temperature", "model", "max_new_tokens")  # added to a line's label when they vary
+# The paper's orderings, as (method, method it should beat): the paired table gives each difference first - second.
+ORDERINGS = [(("gbv", 1), ("token", 1)), (("gbv", 1), ("bv", 1)), (("gbv", 3), ("spectr", 3)),
+             (("gbv", 3), ("specinfer", 3)), (("gbv", 3), ("multipath", 3)), (("gbv", 3), ("spectr_gbv_paper", 3)),
+             (("gbv", 3), ("gbv", 1))]
 
 
 def collect(folder: Path) -> list[dict]:
@@ -98,6 +103,97 @@ def greedy_agreement(rows: list[dict], folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(rows: list[dict], folder: Path) -> tuple[str, list[dict]]:
+    """The paper's orderings as paired differences: every method decoded the same prompts with the same seeds, so for
+    each ordering present in the folder (same block length and temperature), the mean per-prompt difference in block
+    efficiency with its 95% bootstrap interval (stratified by dataset, seeded), per dataset and overall, and whether
+    the interval resolves the ordering. Returns the Markdown table and its entries (for the forest plot)."""
+    jobs = {(row["verifier"], row["num_drafts"], row["block_length"], row["temperature"]): row["job"] for row in rows}
+    entries = []
+    for (better, worse) in ORDERINGS:
+        for (verifier, k, block_length, temperature), job in jobs.items():
+            other = jobs.get((*worse, block_length, temperature))
+            if (verifier, k) != better or other is None:
+                continue
+            intervals = paired_difference(per_prompt_efficiency(folder / job), per_prompt_efficiency(folder / other))
+            if not intervals:  # no records (summaries only): nothing to pair
+                continue
+            entries.append({"first": f"{better[0]} K={better[1]}", "second": f"{worse[0]} K={worse[1]}",
+                            "label": f"{better[0]} K={better[1]} - {worse[0]} K={worse[1]}",
+                            "setting": f"L={block_length} T={temperature}",
+                            "intervals": intervals})
+    if not entries:
+        return "", []
+    datasets = [row["dataset"] for row in rows if row["dataset"] != "overall"]
+    names = [name for name in dict.fromkeys(datasets) if any(name in entry["intervals"] for entry in entries)]
+    names.append("overall")
+    header = ["paired difference in block efficiency", "setting", *names, "overall verdict"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for entry in entries:
+        found = entry["intervals"]
+        cells = [f"{found[n]['mean']:+.2f} [{found[n]['low']:+.2f}, {found[n]['high']:+.2f}]" if n in found else ""
+                 for n in names]
+        lines.append("| " + " | ".join([entry["label"], entry["setting"], *cells, verdict(entry)]) + " |")
+    return "\n".join(lines) + "\n", entries
+
+
+def per_prompt_efficiency(job: Path) -> dict[tuple[str, int], float]:
+    return {key: r["new_tokens"] / r["target_calls"] for key, r in read_records(job).items()}
+
+
+def verdict(entry: dict) -> str:
+    """In words: an ordering is resolved when the 95% interval of the overall difference excludes zero."""
+    overall = entry["intervals"]["overall"]
+    if overall["low"] > 0:
+        return f"{entry['first']} higher: resolved ({overall['prompts']} prompts)"
+    if overall["high"] < 0:
+        return f"{entry['second']} higher: resolved ({overall['prompts']} prompts)"
+    return f"unresolved, the interval holds 0 ({overall['prompts']} prompts)"
+
+
+def forest_plot(entries: list[dict], path: Path) -> None:
+    """The paired differences as 95% intervals, one row per ordering (overall), zero marked."""
+    figure, axis = plt.subplots(figsize=(7, 0.45 * len(entries) + 1.2))
+    for row, entry in enumerate(entries):
+        overall = entry["intervals"]["overall"]
+        below, above = overall["mean"] - overall["low"], overall["high"] - overall["mean"]
+        axis.errorbar(overall["mean"], row, xerr=[[below], [above]], fmt="o", capsize=4, color="black")
+    axis.axvline(0, color="gray", linestyle="--")
+    axis.set_yticks(range(len(entries)), [f"{entry['label']} ({entry['setting']})" for entry in entries])
+    axis.invert_yaxis()
+    axis.set_xlabel("per-prompt difference in block efficiency, mean and 95% interval")
+    axis.grid(alpha=0.3, axis="x")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def dataset_bars(rows: list[dict], path: Path) -> bool:
+    """The main table at a glance: block efficiency per dataset as grouped bars, one bar per method, with standard
+    error bars. Only when the jobs ran several datasets."""
+    datasets = list(dict.fromkeys(row["dataset"] for row in rows if row["dataset"] != "overall"))
+    if len(datasets) < 2:
+        return False
+    methods: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        methods.setdefault(f"{row['verifier']} K={row['num_drafts']}", {})[row["dataset"]] = row
+    width = 0.8 / len(methods)
+    figure, axis = plt.subplots(figsize=(1.6 * len(datasets) + 3, 4))
+    for i, (method, by_dataset) in enumerate(methods.items()):
+        xs = [d + (i - (len(methods) - 1) / 2) * width for d, name in enumerate(datasets) if name in by_dataset]
+        found = [by_dataset[name] for name in datasets if name in by_dataset]
+        axis.bar(xs, [r["block_efficiency"] for r in found], width, yerr=[r["block_efficiency_se"] for r in found],
+                 capsize=2, label=method)
+    axis.set_xticks(range(len(datasets)), datasets)
+    axis.set_ylabel("block efficiency (tokens per target call)")
+    axis.legend(fontsize="small", bbox_to_anchor=(1.01, 1), loc="upper left")  # beside the bars, not over them
+    axis.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
 def mean_with_error(rows: list[dict]) -> str:
     """The average block efficiency over datasets and its standard error: the datasets' prompts are independent,
     so the variances of the per-dataset estimates add."""
@@ -127,10 +223,13 @@ def plot(rows: list[dict], x: str, y: str, panel: str, path: Path) -> bool:
             if row[panel] == value:
                 label = " ".join([row["verifier"]] + [f"{knob}={row[knob]}" for knob in varying])
                 lines.setdefault(label, []).append(row)
-        for label, points in sorted(lines.items()):
+        xs = sorted({row[x] for row in rows})
+        shift = 0.15 * min(b - a for a, b in zip(xs, xs[1:])) / max(len(lines), 1)  # side by side, bars apart
+        for i, (label, points) in enumerate(sorted(lines.items())):
             points.sort(key=lambda row: row[x])
             errors = [row["block_efficiency_se"] for row in points] if y == "block_efficiency" else None
-            axis.errorbar([row[x] for row in points], [row[y] for row in points], yerr=errors, marker="o",
+            offset = (i - (len(lines) - 1) / 2) * shift
+            axis.errorbar([row[x] + offset for row in points], [row[y] for row in points], yerr=errors, marker="o",
                           capsize=3, label=label)
         axis.set_title(f"{panel} = {value}")
         axis.set_xlabel(x)
@@ -148,9 +247,13 @@ def report(folder: Path) -> str:
     rows = collect(folder)
     if not rows:
         raise SystemExit(f"error: folder={folder}: no summary.json below it; give a run or multirun folder")
-    tables = (dataset_table(rows), greedy_agreement(rows, folder), write_tables(rows, folder))
+    paired, entries = paired_table(rows, folder)
+    tables = (dataset_table(rows), paired, greedy_agreement(rows, folder), write_tables(rows, folder))
     markdown = "\n".join(table for table in tables if table)
     (folder / "report.md").write_text(markdown)
+    if entries:
+        forest_plot(entries, folder / "paired_differences.png")
+    dataset_bars(rows, folder / "block_efficiency_by_dataset.png")
     plots = [("num_drafts", "block_efficiency", "block_length"), ("block_length", "block_efficiency", "num_drafts"),
              ("num_drafts", "speedup", "block_length"), ("temperature", "block_efficiency", "num_drafts")]
     for x, y, panel in plots:
