@@ -41,7 +41,7 @@ speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = 4
   $PY -m spectr_gbv.tools.bench_engine --block-length 4 --max-drafts 3 > $OUT/speed/bench_engine.txt  # the limits
 }
 
-audit() {  # exact audit on distributions of the real pair: 20 contexts, top-8 tokens, depth 2, K = 1, 2, 3
+audit() {  # exact audit on distributions of the real pair: 20 contexts, top-6 tokens, depth 2, K = 1, 2, 3
   mkdir -p $OUT/audit
   $PY -m spectr_gbv.tools.audit --real --json $OUT/audit/real.json
 }

@@ -68,6 +68,17 @@ class RandModel:
         return self._cache[prefix]
 
 
+class TableModel:
+    """Model given by a table {prefix: distribution}, e.g. a real model's laws renormalised on a tree of its top
+    tokens (tools/audit.py --real). The enumeration asks for prefixes of length <= L only."""
+
+    def __init__(self, table):
+        self.table = {tuple(prefix): np.asarray(dist, dtype=np.float64) for prefix, dist in table.items()}
+
+    def __call__(self, prefix):
+        return self.table[tuple(prefix)]
+
+
 def vocab_size(model):
     return len(model(()))
 
