@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from spectr_gbv.decoding.engine import eos_ids
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, packaged, tiny
 from spectr_gbv.decoding.sampling import warp
 from spectr_gbv.verifiers.reference import (
@@ -94,7 +95,7 @@ def instance_table(title, p, q, L, K):
 
 # --- the real pair (--real) --------------------------------------------------------------------------------------
 DATASET_CONF = Path(__file__).resolve().parents[3] / "conf" / "dataset"
-DATASETS = ("mtbench", "humaneval", "gsm8k", "xsum", "nq")
+DATASETS = tuple(OmegaConf.load(DATASET_CONF / "all.yaml").defaults)  # the five, as dataset=all lists them
 PAIRS = {  # --models: the real pair, or tiny random models for the tests (hidden flag)
     "qwen": lambda: (packaged("qwen2.5-coder-1.5b-instruct"), packaged("qwen2.5-coder-0.5b-instruct")),
     "tiny": lambda: (tiny(seed=0), tiny(seed=0, perturb=0.5)),
@@ -135,11 +136,6 @@ class NextTokenLaws:
         return law(out.logits[:, -1])
 
 
-def end_ids(loaded: LoadedModel) -> set[int]:
-    ids = loaded.model.generation_config.eos_token_id
-    return set(ids) if isinstance(ids, list) else {ids}
-
-
 def extend_greedily(laws: NextTokenLaws, count: int, stop: set[int]) -> None:
     """The target's greedy continuation, stopped before an end token: the tree must start inside the answer."""
     for _ in range(count):
@@ -164,7 +160,7 @@ class RealInstance:
 def build_instance(target: LoadedModel, drafter: LoadedModel, prompt: list[int], support: int, depth: int,
                    greedy: int) -> RealInstance:
     target_laws = NextTokenLaws(target, prompt)
-    extend_greedily(target_laws, greedy, end_ids(target))
+    extend_greedily(target_laws, greedy, eos_ids(target))
     drafter_laws = NextTokenLaws(drafter, target_laws.context)
     p_table, q_table, masses = {}, {}, []
     level = {(): ()}  # local prefix -> its token ids after the context
