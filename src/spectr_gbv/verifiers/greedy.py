@@ -15,14 +15,16 @@ final law, and the levels stay in force for the rest of the block window: the ne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from .base import Verifier, VerifierOutput, last_success, normalise, pick, sample, token_probs, uniforms
+from .base import Verifier, VerifierOutput, last_success, pick, sample, token_probs, uniforms
 
 MAX_LOG_RATIO = 80.0  # exp(80) is finite in float32; larger ratios only occur on zero-mass nodes
+ALL_ROWS = slice(None)  # the index for every row: what it selects is a view, not a copy
 
 
 @dataclass
@@ -42,6 +44,49 @@ class Level:
     end: Tensor  # [B] positions at or beyond it are untouched
     anchor: Tensor  # [B, L] the anchor's tokens
 
+    def of_rows(self, rows: slice | Tensor) -> Level:
+        return Level(self.log_s0[rows], self.log_m0[rows], self.anchor_len[rows], self.end[rows], self.anchor[rows])
+
+
+class Scratch:
+    """Memory for the full-V intermediates of one call, reused by every draft and level: on a CPU a fresh tensor
+    above glibc's mmap threshold (32 MB, e.g. [8, 7, 151_936] float32) costs more in page faults than its arithmetic."""
+
+    COND, DRAFT, BEFORE, WORK = range(4)  # the law being built, its draft conditionals, a level's input, temporaries
+
+    def __init__(self, like: Tensor, numel: int):
+        self.memory = like.new_empty(4, numel)
+
+    def __call__(self, slot: int, *shape: int) -> Tensor:
+        return self.memory[slot, : math.prod(shape)].view(shape)
+
+
+def rows_where(mask: Tensor) -> slice | Tensor:
+    """The rows where mask [R] holds, as an index: ALL_ROWS when it holds in every row. A lone row of a batch is
+    computed with a second one: PyTorch splits a full-V sum that has a single output across threads, which rounds
+    differently, and a row's results must not depend on which rows are computed with it."""
+    if bool(mask.all()):
+        return ALL_ROWS
+    if int(mask.sum()) == 1:
+        mask = mask.clone()
+        mask[int((~mask).nonzero()[0])] = True
+    return mask.nonzero().squeeze(1)
+
+
+def index_into(x: Tensor, indices: list[Tensor], out: Tensor) -> Tensor:
+    """x[indices] written into out, by one indexing kernel (index_select copies row by row)."""
+    return torch.ops.aten.index.Tensor_out(x, indices, out=out)
+
+
+def copy_rows(x: Tensor, rows: slice | Tensor, out: Tensor) -> Tensor:
+    """x[rows] written into out."""
+    return out.copy_(x) if rows is ALL_ROWS else index_into(x, [rows], out)
+
+
+def read_rows(x: Tensor, rows: slice | Tensor, out: Tensor) -> Tensor:
+    """x[rows] to read from: x itself for ALL_ROWS, else a copy in out."""
+    return x if rows is ALL_ROWS else copy_rows(x, rows, out)
+
 
 def cumulative_log(cond: Tensor, x: Tensor) -> Tensor:
     """log joint mass of the prefixes x^0..x^n under conditionals cond [B, n, V]: [B, n+1]."""
@@ -49,53 +94,117 @@ def cumulative_log(cond: Tensor, x: Tensor) -> Tensor:
     return torch.cat([torch.zeros_like(log_cond[:, :1]), log_cond.cumsum(-1)], -1)
 
 
-def apply_levels(cond: Tensor, q: Tensor, x: Tensor, log_s: Tensor, levels: list[Level], node: Tensor | None = None):
-    """Stack residual levels on the conditionals cond [B, n, V] at the first n nodes of path x [B, n] (q [B, n, V]
-    its draft conditionals, log_s [B, n+1] its log draft joint masses). Returns the final conditionals, each level's
-    input log joint masses along x [levels][B, n+1] and, when node [B] is given, each level's input conditional
-    there [levels][B, V]."""
+def apply_levels_(cond: Tensor, q: Tensor, x: Tensor, log_s: Tensor, levels: list[Level], scratch: Scratch,
+                  reach: Tensor, node: Tensor | None = None):
+    """Stack residual levels, in place, on the conditionals cond [R, n, V] at the first n nodes of path x [R, n]
+    (q [R, n, V] its draft conditionals, log_s [R, n+1] its log draft joint masses, levels given for these rows), on
+    the first reach [R] nodes of each row: the caller's results do not depend on the nodes beyond, left as they are.
+    Returns each level's input log joint masses along x [levels][R, n+1] and, when node [R] is given, each level's
+    input conditional there [levels][R, V]."""
     input_log_joint, input_at_node = [], []
     for level in levels:
         log_m = cumulative_log(cond, x)
         input_log_joint.append(log_m)
         if node is not None:
             input_at_node.append(pick(cond, node))
+        level = replace(level, end=level.end.clamp(max=reach))
         span = min(x.shape[1], int(level.end.max()))  # the level leaves the nodes beyond its window alone
         if span > 0:
-            cond = torch.cat([apply_level(level, cond[:, :span], q[:, :span], log_s[:, :span] - log_m[:, :span]),
-                              cond[:, span:]], 1)
-    return cond, input_log_joint, input_at_node
+            apply_level_(level, cond[:, :span], q[:, :span], log_s[:, :span] - log_m[:, :span], scratch)
+    return input_log_joint, input_at_node
 
 
-def apply_level(level: Level, cond: Tensor, q: Tensor, log_s_over_m: Tensor) -> Tensor:
-    """One residual level on the nodes of cond [B, n, V]: a point mass below the anchor, the residual from it on.
-    Each part is computed only on the nodes where some row needs it (this is the verifier's hot loop)."""
+def apply_level_(level: Level, cond: Tensor, q: Tensor, log_s_over_m: Tensor, scratch: Scratch) -> None:
+    """One residual level on cond [R, n, V], in place, at the nodes i < end of each row (its window): a point mass on
+    the anchor's token below anchor_len, the residual from there on. This is the verifier's hot loop: when every row's
+    window covers all n nodes the residual is computed on the block of nodes from the shortest anchor on, else only
+    at the (row, node) pairs inside the windows. A level leaves a row alone where its end is 0 (expired, or made
+    after that row was done, docs/algorithms.md §4.3-4.4) and the windows of inherited levels differ from row to row,
+    so computing whole [R, n, V] blocks made the cost grow as B x levels."""
     n = cond.shape[1]
-    below, above = int(level.anchor_len.min().clamp(max=n)), int(level.anchor_len.max().clamp(max=n))
-    lam = ((level.log_s0 - level.log_m0)[:, None] + log_s_over_m[:, below:]).clamp(max=MAX_LOG_RATIO).exp()
-    residual = normalise((cond[:, below:] - lam[..., None] * q[:, below:]).clamp_min(0), cond[:, below:])
-    point_mass = torch.zeros_like(cond[:, :above]).scatter_(-1, level.anchor[:, :above, None], 1.0)
-    mixed = torch.arange(below, above, device=cond.device) < level.anchor_len[:, None]
-    updated = torch.cat([point_mass[:, :below],
-                         torch.where(mixed[..., None], point_mass[:, below:], residual[:, : above - below]),
-                         residual[:, above - below:]], 1)
-    if (level.end >= n).all():
-        return updated
-    return torch.where((torch.arange(n, device=cond.device) < level.end[:, None])[..., None], updated, cond)
+    nodes = torch.arange(n, device=cond.device)
+    in_window, anchored = nodes < level.end[:, None], nodes < level.anchor_len[:, None]
+    log_ratio0 = level.log_s0 - level.log_m0
+    if bool((level.end >= n).all()):
+        below = int(level.anchor_len.min().clamp(max=n))
+        lam = ratio(log_ratio0[:, None] + log_s_over_m[:, below:])
+        residual_block_(cond[:, below:], q[:, below:], lam, scratch)
+    else:
+        row, node = (in_window & ~anchored).nonzero(as_tuple=True)
+        if row.numel() > 0:
+            residual_pairs_(cond, q, row, node, ratio(log_ratio0[row] + log_s_over_m[row, node]), scratch)
+    row, node = (in_window & anchored).nonzero(as_tuple=True)
+    cond[row, node] = 0.0
+    cond[row, node, level.anchor[row, node]] = 1.0
 
 
-def greedy_acceptance(cond: Tensor, q: Tensor, x: Tensor, log_s: Tensor, block_length: int) -> Tensor:
+def ratio(log_ratio: Tensor) -> Tensor:
+    """lambda = S / M from its log."""
+    return log_ratio.clamp(max=MAX_LOG_RATIO).exp()
+
+
+def residual_block_(cond: Tensor, q: Tensor, lam: Tensor, scratch: Scratch) -> None:
+    """cond = norm((cond - lam q)_+) in place on a block of nodes cond [R, m, V] (q [R, m, V], lam [R, m])."""
+    residual = scratch(Scratch.WORK, *cond.shape)
+    normalise_into(cond, residual, positive_part(cond, q, lam, residual), cond)
+
+
+def residual_pairs_(cond: Tensor, q: Tensor, row: Tensor, node: Tensor, lam: Tensor, scratch: Scratch) -> None:
+    """cond[row, node] = norm((cond - lam q)_+)[row, node] in place at the pairs listed (cond, q [R, n, V], lam [P])."""
+    if row.numel() == 1 and cond.shape[0] > 1:  # a lone pair is computed twice: see rows_where
+        row, node, lam = row.repeat(2), node.repeat(2), lam.repeat(2)
+    shape = (row.numel(), cond.shape[-1])
+    before = index_into(cond, [row, node], scratch(Scratch.BEFORE, *shape))
+    residual = index_into(q, [row, node], scratch(Scratch.WORK, *shape))
+    cond[row, node] = normalise_into(residual, residual, positive_part(before, residual, lam, residual), before)
+
+
+def positive_part(cond: Tensor, q: Tensor, lam: Tensor, out: Tensor) -> Tensor:
+    """out = (cond - lam q)_+ (q may be out itself); returns its sums over V."""
+    torch.mul(lam[..., None], q, out=out)
+    torch.sub(cond, out, out=out).clamp_min_(0)
+    return out.sum(-1, keepdim=True)
+
+
+def normalise_into(out: Tensor, residual: Tensor, total: Tensor, fallback: Tensor) -> Tensor:
+    """out = base.normalise(residual, fallback) with the same results, given residual's sums over V."""
+    scale = total.clamp_min(torch.finfo(total.dtype).tiny)
+    if bool((total > 0).all()):
+        return torch.div(residual, scale, out=out)
+    return torch.where(total > 0, residual.div_(scale), fallback, out=out)
+
+
+def greedy_acceptance(cond: Tensor, q: Tensor, x: Tensor, log_s: Tensor, block_length: int,
+                      work: Tensor | None = None) -> Tensor:
     """h_1..h_L [B, L] of the greedy block coupling of path x against the target conditionals cond
     (docs/algorithms.md §4.1), given at the first n nodes only: beyond them the path has zero mass under the target,
-    so h = 0 there."""
+    so h = 0 there. work, if given, is memory [B, n-1, V] for the full-V intermediate."""
     n = x.shape[1]
     rho = (cumulative_log(cond, x) - log_s)[:, 1:].clamp(max=MAX_LOG_RATIO).exp()  # joint ratio, not clamped at 1
-    mu = torch.minimum(q[:, 1:n], rho[:, : n - 1, None] * cond[:, 1:n]).sum(-1)
+    scaled = torch.mul(rho[:, : n - 1, None], cond[:, 1:n], out=work)
+    mu = torch.minimum(q[:, 1:n], scaled, out=scaled).sum(-1)
     gap = 1 - mu
     h_inner = torch.where(gap > 0, (rho[:, : n - 1].clamp(max=1) - mu) / gap.clamp_min(torch.finfo(gap.dtype).tiny),
                           torch.ones_like(mu))
     last = rho[:, n - 1:].clamp(max=1) if n == block_length else torch.zeros_like(rho[:, :1])
     return torch.cat([h_inner.clamp(0, 1), last, rho.new_zeros(rho.shape[0], block_length - n)], -1)
+
+
+def draft_agreement(rows: slice | Tensor, p: Tensor, q: Tensor, x: Tensor, log_s: Tensor, u: Tensor, live: Tensor,
+                    levels: list[Level], scratch: Scratch) -> Tensor:
+    """t_k of §4.3 on the rows `rows` of one draft: how far Y agrees with it, coupled with Y's current law (p [B, n, V]
+    the target and q [B, n, V] the draft conditionals at its first n nodes, x [B, n] its tokens, log_s [B, n+1] their
+    log draft joint masses, u [B, L] its uniforms, live [B] its live nodes). Always consistent with the known prefix
+    of Y. The levels are computed on the live nodes only: beyond them the path has zero mass (a point mass of an
+    earlier level excludes it), so h = 0 there whatever the conditionals."""
+    x, log_s = x[rows], log_s[rows]
+    (R, n), V = x.shape, p.shape[-1]
+    memory = scratch(Scratch.COND, R, n, V)
+    cond = copy_rows(p, rows, memory) if levels else read_rows(p, rows, memory)  # the levels are written into it
+    q = read_rows(q, rows, scratch(Scratch.DRAFT, R, n, V))
+    apply_levels_(cond, q, x, log_s, [level.of_rows(rows) for level in levels], scratch, reach=live[rows])
+    h = greedy_acceptance(cond, q, x, log_s, u.shape[-1], scratch(Scratch.WORK, R, n - 1, V))
+    return last_success(h, u[rows])
 
 
 class GreedyBlockVerifier(Verifier):
@@ -108,6 +217,7 @@ class GreedyBlockVerifier(Verifier):
         common = (tokens[:, :, None] == tokens[:, None]).long().cumprod(-1).sum(-1)  # [B, K, K] common prefix lengths
         levels = pending_to_levels(state, tokens)
         u = uniforms((B, K, L), q, generator)
+        scratch = Scratch(q, B * L * q.shape[-1])
         done = torch.zeros(B, dtype=torch.bool, device=q.device)
         accepted = torch.zeros(B, dtype=torch.long, device=q.device)  # the longest agreement so far
         draft_index = torch.zeros_like(accepted)
@@ -115,10 +225,15 @@ class GreedyBlockVerifier(Verifier):
         for k in range(K):
             if done.all():
                 break
-            n = live_nodes(common[:, k], anchors, done, L)
-            cond, _, _ = apply_levels(p[:, k, :n], q[:, k, :n], tokens[:, k, :n], log_s[:, k, : n + 1], levels)
-            h = greedy_acceptance(cond, q[:, k, :n], tokens[:, k, :n], log_s[:, k, : n + 1], L)
-            accepted_k = last_success(h, u[:, k])  # t_k of §4.3: always consistent with the known prefix of Y
+            live = live_nodes(common[:, k], anchors, L)
+            n = max(1, int(live.masked_fill(done, 0).max()))
+            # Rows already done use none of the later drafts: only the rows still going are computed. Their accepted_k
+            # is set to 0, which nothing reads: `longer`, live_nodes and the new level's end all mask done rows.
+            going = rows_where(~done)
+            accepted_k = torch.zeros_like(accepted)
+            accepted_k[going] = draft_agreement(going, p[:, k, :n], q[:, k, :n], tokens[:, k, :n], log_s[:, k, : n + 1],
+                                                u[:, k], live, levels, scratch)
+            accepted_k.masked_fill_(done, 0)
             longer = ~done & (accepted_k > accepted)
             accepted = torch.where(longer, accepted_k, accepted)
             draft_index = torch.where(longer, k, draft_index)
@@ -127,15 +242,18 @@ class GreedyBlockVerifier(Verifier):
             levels.append(Level(torch.zeros_like(log_s[:, 0, 0]), torch.zeros_like(log_s[:, 0, 0]), accepted_k,
                                 torch.where(done, 0, L), tokens[:, k]))
 
-        bonus = pick(p, draft_index)[:, L]
+        bonus = pick(p[:, :, L], draft_index)
         if done.all():
             return VerifierOutput(accepted, draft_index, sample(bonus, generator), None)
         # Replay every level along the best path to get the recovered token's law and each level's input there.
         node = torch.where(done, 0, accepted)
-        n = int(node.max()) + 1
-        x, q_best, log_s_best = pick(tokens, draft_index)[:, :n], pick(q, draft_index)[:, :n], pick(log_s, draft_index)
-        cond, input_log_joint, input_at_node = apply_levels(
-            pick(p, draft_index)[:, :n], q_best, x, log_s_best[:, : n + 1], levels, node)
+        n, V = int(node.max()) + 1, q.shape[-1]
+        best = torch.arange(B, device=q.device) * K + draft_index  # the best drafts' rows in [B * K, ...]
+        x, log_s_best = pick(tokens, draft_index)[:, :n], pick(log_s, draft_index)
+        cond = copy_rows(p[:, :, :n].flatten(0, 1), best, scratch(Scratch.COND, B, n, V))
+        q_best = copy_rows(q[:, :, :n].flatten(0, 1), best, scratch(Scratch.DRAFT, B, n, V))
+        input_log_joint, input_at_node = apply_levels_(cond, q_best, x, log_s_best[:, : n + 1], levels, scratch,
+                                                       reach=node + 1, node=node)
         next_token = sample(torch.where(done[:, None], bonus, pick(cond, node)), generator)
 
         # The levels stay in force after the emitted tokens: accumulate their masses along best + next_token.
@@ -151,14 +269,14 @@ class GreedyBlockVerifier(Verifier):
         return VerifierOutput(accepted, draft_index, next_token, compact(pending))
 
 
-def live_nodes(common: Tensor, anchors: list[tuple[int, Tensor]], done: Tensor, block_length: int) -> int:
-    """How many leading nodes of a draft can carry target mass: an earlier draft j that had accepted_j tokens
+def live_nodes(common: Tensor, anchors: list[tuple[int, Tensor]], block_length: int) -> Tensor:
+    """How many leading nodes of a draft can carry target mass, per row: an earlier draft j that had accepted_j tokens
     accepted revealed that Y starts with them, so a draft that leaves them after c < accepted_j common tokens has
     zero mass from depth c + 1 on. Computing only those nodes is what keeps later drafts cheap."""
     limit = torch.full_like(common[:, 0], block_length)
     for j, accepted_j in anchors:
         limit = torch.where(common[:, j] < accepted_j, torch.minimum(limit, common[:, j] + 1), limit)
-    return max(1, int(limit.masked_fill(done, 0).max()))
+    return limit
 
 
 def pending_to_levels(state: PendingLevels | None, tokens: Tensor) -> list[Level]:
