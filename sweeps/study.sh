@@ -34,11 +34,11 @@ temperature() {  # gbv and spectr at K = 3, L = 8 on the ablation's 40 prompts; 
   $PY $RUN -m verifier=gbv,spectr temperature=0.4,0.7,1.0 $TEMP hydra.sweep.dir=$OUT/temperature/t
 }
 
-speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = 4, T = 0.4, 2 prompts per dataset
+speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = 4, T = 0.4, 2 prompts per dataset;
+           # each summary holds its machine and the cost-model limit of its speedup (bare passes timed after decoding)
   local SPEED="dataset=all limit=2 max_new_tokens=128 block_length=4 temperature=0.4 batch_size=1 baseline=true"
   $PY $RUN -m verifier=$K1 num_drafts=1 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k1
   $PY $RUN -m verifier=$K3 num_drafts=3 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k3
-  $PY -m spectr_gbv.tools.bench_engine --block-length 4 --max-drafts 3 > $OUT/speed/bench_engine.txt  # the limits
 }
 
 audit() {  # exact audit on distributions of the real pair: 20 contexts, top-6 tokens, depth 2, K = 1, 2, 3

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from spectr_gbv.tools.bench_engine import cpu_name, main
+from spectr_gbv.decoding.costs import cpu_name
+from spectr_gbv.tools.bench_engine import main
 
 
 @pytest.fixture

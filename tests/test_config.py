@@ -130,6 +130,6 @@ def test_schema_checks_types(make_cfg):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
 @pytest.mark.parametrize("option", ["gpu", "ddp"])
 def test_a_gpu_trainer_without_cuda_is_one_line(make_cfg, option):
-    with pytest.raises(ConfigError, match=f"trainer.accelerator=cuda: no CUDA device here .*use trainer=cpu or "
+    with pytest.raises(ConfigError, match="trainer.accelerator=cuda: no CUDA device here .*use trainer=cpu or "
                                           "trainer=ddp_cpu"):
         validate(make_cfg(f"trainer={option}"))

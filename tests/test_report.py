@@ -11,17 +11,20 @@ BLOCK_LENGTHS = (2, 4)
 
 
 def write_summary(folder, verifier, num_drafts, block_length, baseline=True, datasets=("mtbench", "gsm8k"),
-                  temperature=1.0):
+                  temperature=1.0, limit=None):
     counts = [0.0] * len(COUNTERS)
     values = {"prompts": 4, "new_tokens": 40 + 5 * num_drafts, "target_calls": 20, "total_time": 2.0,
               "new_tokens_sq": 450, "target_calls_sq": 100, "new_x_calls": 210, "ar_new_tokens": 40 * baseline,
-              "ar_time": 3.0 * baseline}
+              "ar_time": 3.0 * baseline, "draft_time": 0.8, "target_time": 1.0, "verify_time": 0.1,
+              "target_positions": 5.0 * (block_length + 7)}
     for key, value in values.items():
         counts[COUNTERS.index(key)] = value
-    metrics = aggregate(counts, [5.0, 3] + [1] * (block_length - 1))
+    metrics = aggregate(counts, [5.0, 3] + [1] * (block_length - 1))  # block_length + 7 iterations
+    if limit is not None:  # as the module adds it with baseline=true
+        metrics.update(limit=limit, limit_share=metrics["speedup"] / limit)
     folder.mkdir(parents=True, exist_ok=True)
     summary = {"verifier": verifier, "num_drafts": num_drafts, "block_length": block_length, "temperature": temperature,
-               "max_new_tokens": 16, "model": "tiny", "drafter": "tiny'",
+               "max_new_tokens": 16, "model": "tiny", "drafter": "tiny'", "machine": "a CPU, 2 torch threads",
                "metrics": {**{name: metrics for name in datasets}, "overall": metrics}}
     (folder / "summary.json").write_text(json.dumps(summary))
 
@@ -72,6 +75,21 @@ def test_report_plots_block_efficiency_against_temperature(tmp_path):
     main([str(tmp_path)])
     assert (tmp_path / "block_efficiency_vs_temperature.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "block_efficiency_vs_num_drafts.png").exists()
+
+
+def test_speed_table_puts_each_speedup_beside_its_limit(tmp_path, capsys):
+    write_summary(tmp_path / "0", "token", 1, 4, datasets=["nq"])  # no limit measured: not in the speed table
+    for job, k in enumerate((1, 3), start=1):
+        write_summary(tmp_path / str(job), "gbv", k, 4, limit=2.5)
+    main([str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert "Measured on a CPU, 2 torch threads:" in lines  # every speed figure names its machine
+    header = lines.index("| method | prompts | tokens/s | ar tokens/s | speedup | block eff. | trie positions | "
+                         "limit | share | draft % | target % | verify % |")
+    # 45 new tokens / 2 s = 22.50 tokens/s against ar's 40 / 3 s: 1.69x, 67% of 2.5x; 5 positions per iteration
+    assert lines[header + 2] == "| gbv K=1 L=4 | 4 | 22.50 | 13.33 | 1.69x | 2.25 | 5.0 | 2.50x | 68% | 40 | 50 | 5 |"
+    assert lines[header + 3].startswith("| gbv K=3 L=4 | 4 | 27.50 | 13.33 | 2.06x | ") and not lines[header + 4]
+    assert (tmp_path / "speedup_vs_limit.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_report_of_an_empty_folder_is_one_error(tmp_path):

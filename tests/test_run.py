@@ -58,6 +58,12 @@ def test_run_writes_predictions_and_summary(single):
     assert 1 < overall["block_efficiency"] < 4  # the drafter is right sometimes, not always
     assert len(overall["acceptance_by_position"]) == 3 and len(overall["accepted_length_histogram"]) == 4
     assert overall["speedup"] > 0 and overall["ar_tokens_per_s"] > 0
+    # baseline=true: the speedup's cost-model limit, from bare passes over the trie size the run scored
+    assert 1 <= overall["trie_positions"] <= 1 + 2 * 3
+    assert overall["trie_positions"] == sum(r["target_positions"] for r in found.values()) / sum(
+        len(r["accepted_lengths"]) for r in found.values())
+    assert overall["limit"] > 0 and overall["limit_share"] == overall["speedup"] / overall["limit"]
+    assert summary["machine"].endswith(", float32") and "torch threads" in summary["machine"]
     assert (single / ".hydra" / "config.yaml").exists() and (single / "csv" / "metrics.csv").exists() is False
 
 
@@ -85,8 +91,9 @@ def test_ddp_on_cpu_equals_one_process(single, tmp_path):
     assert not list(tmp_path.glob("predictions.rank*.jsonl"))
     metrics = [json.loads((folder / "summary.json").read_text())["metrics"]["overall"] for folder in (single, tmp_path)]
     for key in ("prompts", "new_tokens", "target_calls", "block_efficiency", "block_efficiency_se",
-                "accepted_length_histogram", "acceptance_by_position"):
+                "accepted_length_histogram", "acceptance_by_position", "trie_positions"):
         assert metrics[0][key] == metrics[1][key], key
+    assert metrics[1]["limit"] > 0  # measured by rank 0, broadcast to rank 1
     assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == 2
 
 

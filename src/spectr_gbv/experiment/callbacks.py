@@ -24,7 +24,8 @@ class SplitCpuThreads(Callback):
 
 class RunSummary(Callback):
     """What a person reads at the end of a run: per dataset, the block efficiency with its standard error, the mean
-    accepted length, tokens/s and the speedup when measured; then where the records, summary and W&B run are.
+    accepted length, tokens/s and the speedup when measured (with its cost-model limit); then where the records,
+    summary and W&B run are.
     Printed at teardown, after the progress bar (listed before it) has closed its live display."""
 
     @rank_zero_only
@@ -38,7 +39,7 @@ class RunSummary(Callback):
         title = (f"{summary['verifier']}, K={summary['num_drafts']}, L={summary['block_length']}, "
                  f"T={summary['temperature']}, {summary['model']} <- {summary['drafter']}")
         table = Table(title=title, title_justify="left")
-        for column in ("dataset", "prompts", "block efficiency", "mean accepted", "tokens/s", "speedup vs ar"):
+        for column in ("dataset", "prompts", "block efficiency", "mean accepted", "tokens/s", "speedup vs ar (limit)"):
             table.add_column(column, justify="left" if column == "dataset" else "right")
         metrics = summary["metrics"]
         for name, m in metrics.items():
@@ -46,6 +47,8 @@ class RunSummary(Callback):
                 continue
             se = f" ± {m['block_efficiency_se']:.2f}" if m["prompts"] > 1 else ""
             speedup = f"{m['speedup']:.2f}x" if "speedup" in m else "-"
+            if "limit" in m:
+                speedup += f" ({m['limit']:.2f}x)"
             table.add_row(name, str(m["prompts"]), f"{m['block_efficiency']:.2f}{se}",
                           f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.2f}", speedup)
         Console().print(table)

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 COUNTERS = ("prompts", "new_tokens", "target_calls", "new_tokens_sq", "target_calls_sq", "new_x_calls",
-            "draft_time", "target_time", "verify_time", "total_time", "ar_new_tokens", "ar_time")
+            "target_positions", "draft_time", "target_time", "verify_time", "total_time", "ar_new_tokens", "ar_time")
 TIMES = ("draft_time", "target_time", "verify_time", "total_time")
 
 
@@ -16,6 +16,7 @@ def counters(record: dict) -> list[float]:
     baseline = record.get("baseline", {"new_tokens": 0, "total_time": 0.0})
     values = {"prompts": 1, "new_tokens": new, "target_calls": calls, "new_tokens_sq": new * new,
               "target_calls_sq": calls * calls, "new_x_calls": new * calls,
+              "target_positions": record["target_positions"],
               **{key: record["times"][key] for key in TIMES},
               "ar_new_tokens": baseline["new_tokens"], "ar_time": baseline["total_time"]}
     return [float(values[key]) for key in COUNTERS]
@@ -39,6 +40,8 @@ def aggregate(counts: list[float], histogram: list[float]) -> dict:
                                  else float("nan")),
         "acceptance_by_position": [count / iterations for count in at_least[1:]] if iterations else [],
         "accepted_length_histogram": [int(x) for x in histogram],
+        # positions the target scored per iteration after the prefill: 1 + the distinct nodes of the draft trie
+        "trie_positions": c["target_positions"] / iterations if iterations else float("nan"),
         "tokens_per_s": tokens_per_s,
         **{key: c[key] for key in TIMES},
     }

@@ -14,10 +14,13 @@ from hydra.utils import instantiate
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from spectr_gbv.decoding.costs import BareCosts, machine
 from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine, Stopped
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.experiment import records
 from spectr_gbv.experiment.metrics import COUNTERS, TIMES, aggregate, counters, scalars
+
+COST_REPEATS = 5  # timed bare forwards per model and width for the speed limit (their median counts)
 
 
 class SpeculativeEvaluation(LightningModule):
@@ -45,7 +48,7 @@ class SpeculativeEvaluation(LightningModule):
         drafter = None
         if hp.verifier != "ar":  # plain decoding needs no drafter: do not load one
             drafter = instantiate(hp.drafter_config)()  # the engine refuses one with another tokenizer
-        self.drafter_name = drafter.name if drafter else None
+        self.drafter = drafter
         self.engine = SpeculativeEngine(self.target, drafter, hp.verifier, hp.num_drafts, hp.block_length,
                                         self.sampling)
         self.ar_engine = SpeculativeEngine(self.target, None, "ar", sampling=self.sampling) if hp.baseline else None
@@ -117,14 +120,32 @@ class SpeculativeEvaluation(LightningModule):
         metrics = {name: aggregate(counts[i], histogram[i]) for i, name in enumerate(self.names)}
         metrics["overall"] = aggregate([sum(column) for column in zip(*counts)],
                                        [sum(column) for column in zip(*histogram)])
-        self.summary = {**self.job(self.trainer.datamodule), "model": self.target.name, "drafter": self.drafter_name,
-                        "world_size": self.trainer.world_size, "metrics": metrics}
+        if self.hparams.baseline and self.drafter is not None:
+            self.add_speed_limits(metrics)
+        self.summary = {**self.job(self.trainer.datamodule), "model": self.target.name,
+                        "drafter": self.drafter.name if self.drafter else None,
+                        "world_size": self.trainer.world_size,
+                        "machine": machine(str(self.target.model.dtype).removeprefix("torch.")),  # of the times
+                        "metrics": metrics}
         # Already reduced, so every rank logs the same values; sync_dist (a mean of equal values) is Lightning's
         # documented way to log epoch-level values under DDP.
         self.log_dict(scalars(metrics), sync_dist=True)
         if self.trainer.is_global_zero:
             records.merge_rank_files(self.output_dir)
             records.write_summary(self.output_dir, self.summary)
+
+    def add_speed_limits(self, metrics: dict) -> None:
+        """Each speedup beside its cost-model limit and their ratio, the share (decoding/costs.py): bare forward
+        times measured by rank 0 after decoding, on the same machine and threads as the speedup, over a cache holding
+        the job's first prompt. The speedup counts the prefill, the limit does not."""
+        limits = None
+        if self.trainer.is_global_zero:
+            context = self.target.encode_prompt(self.trainer.datamodule.records[0]["prompt"])
+            costs = BareCosts(self.target, self.drafter, context, COST_REPEATS)
+            limits = {name: costs.limit(m["block_efficiency"], round(m["trie_positions"]), self.hparams.num_drafts,
+                                        self.hparams.block_length) for name, m in metrics.items()}
+        for name, limit in self.trainer.strategy.broadcast(limits, src=0).items():
+            metrics[name].update(limit=limit, limit_share=metrics[name]["speedup"] / limit)
 
     def teardown(self, stage: str) -> None:
         if hasattr(self, "predictions"):

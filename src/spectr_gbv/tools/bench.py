@@ -13,7 +13,7 @@ import argparse
 import torch
 from torch.utils.benchmark import Timer
 
-from spectr_gbv.tools.bench_engine import machine
+from spectr_gbv.decoding.costs import machine
 from spectr_gbv.verifiers import VERIFIERS, build_verifier
 
 NAMES = [name for name in VERIFIERS if name != "spectr_gbv"]  # an alias, not another kernel

@@ -4,30 +4,23 @@ Where the time goes, and how far from the limit, side by side in one run on the 
 models), after one line naming the machine (CPU, its bf16 matrix units, threads, torch, dtype):
   - greedy (T = 0), where every method emits the same tokens: transformers' generate() vs the engine's `ar`, and
     transformers' assisted generation (same drafter, L drafted tokens per call) vs `token` with K = 1;
-  - sampling (T = 1): `ar` and `gbv` K = 1..max_drafts, each against the cost-model limit of its speedup,
-        limit = block efficiency x t_ar / (t_target_pass + L x t_draft_step),
-    t_ar a bare target forward of 1 new position, t_target_pass of 1 + K*L positions, t_draft_step a bare drafter
-    forward of K positions, all in one row over a KV cache holding the first prompt, timed in this run. The share
-    (speedup / limit) is what the engine keeps of what its passes alone would allow;
+  - sampling (T = 1): `ar` and `gbv` K = 1..max_drafts, each against the cost-model limit of its speedup
+    (decoding/costs.py), with the bare passes in one row over a KV cache holding the first prompt, timed in this run;
   - batch throughput: `gbv` K = 3 at T = 1 on N prompts decoded B at a time, B = 1, 2, 4, 8 (those <= N).
 Speedups are ratios to `ar` at the same temperature, measured in this run. Methods run prompt by prompt, in turn, so
 noise from other processes hits all alike. Prompt i always draws from a generator seeded i. Target calls of
 transformers' runs are counted with a forward hook, so their block efficiency is measured as the engine's.
 """
 import argparse
-import os
-import platform
-import statistics
-import subprocess
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import DynamicCache, GenerationConfig
+from transformers import GenerationConfig
 
+from spectr_gbv.decoding.costs import BareCosts, machine
 from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine
 from spectr_gbv.decoding.models import DTYPES, LoadedModel, packaged, tiny
 from spectr_gbv.decoding.sampling import Sampling
@@ -47,37 +40,6 @@ PROMPTS = [
 BATCH_DRAFTS = 3  # K of the batch part: several drafts, so each row's trie is a real tree
 BATCH_SIZES = (1, 2, 4, 8)
 WIDTH = 160  # of the console: wide tables, also when piped to a file
-
-
-# --- the machine ---------------------------------------------------------------------------------------------------
-
-def machine(dtype: str) -> str:
-    """What the numbers were measured on. On CPUs bfloat16 matmuls are fast only with AMX or AVX512-BF16; without
-    them (e.g. AMD EPYC before Zen 4) they are emulated and float32 can be faster."""
-    flags = cpu_flags()
-    has = {name: "unknown" if flags is None else yes(set(needed) <= flags)
-           for name, needed in [("AMX-BF16", ["amx_tile", "amx_bf16"]), ("AVX512-BF16", ["avx512_bf16"])]}
-    return (f"{cpu_name()}, " + ", ".join(f"{name}: {value}" for name, value in has.items())
-            + f", {torch.get_num_threads()} torch threads of {os.cpu_count()} CPUs, torch {torch.__version__}, {dtype}")
-
-
-def cpu_name() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):  # no lscpu (not Linux)
-        lscpu = ""
-    names = [line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")]
-    return (names[0] if names else "") or platform.processor() or "unknown CPU"
-
-
-def cpu_flags() -> set[str] | None:
-    """The first CPU's flags in /proc/cpuinfo, None where there is none (not Linux)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    flags = [line.split(":", 1)[1].split() for line in lines if line.startswith("flags")]
-    return set(flags[0]) if flags else None
 
 
 # --- methods: prompt, seed -> DecodeRecord ---------------------------------------------------------------------------
@@ -194,48 +156,12 @@ def yes(flag: bool) -> str:
 
 # --- the cost model ------------------------------------------------------------------------------------------------
 
-@torch.inference_mode()
-def forward_seconds(model, context: list[int], width: int, repeats: int) -> float:
-    """Median seconds of a bare forward of `width` new positions in one row over a cache holding `context`: the
-    pass alone, without the engine's masks, warping, sampling and cache bookkeeping."""
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([context], device=model.device), cache=cache, use_cache=True)
-    inputs = torch.tensor([context[-1:] * width], device=model.device)  # the ids do not change the cost
-    seconds = []
-    for _ in range(1 + repeats):  # the first is a warm-up: the first call of a shape pays one-time costs
-        start = time.perf_counter()
-        model(input_ids=inputs, cache=cache, use_cache=True)
-        seconds.append(time.perf_counter() - start)
-        cache.crop(-width)  # back to the context, so every repetition sees the same one (-n: drop the last n)
-    return statistics.median(seconds[1:])
-
-
-class Costs:
-    """Bare forward seconds over a cache holding the first prompt, measured once per width and kept:
-    target(n) of n positions (1: an `ar` step), drafter(n) of n positions (each drafter step feeds at most K)."""
-
-    def __init__(self, target, drafter, context: list[int], block_length: int, repeats: int):
-        self.models, self.context, self.block_length, self.repeats = (target, drafter), context, block_length, repeats
-        self.seconds: dict[tuple[int, int], float] = {}
-
-    def _bare(self, side: int, width: int) -> float:
-        if (side, width) not in self.seconds:
-            self.seconds[(side, width)] = forward_seconds(self.models[side].model, self.context, width, self.repeats)
-        return self.seconds[(side, width)]
-
-    def target(self, width: int) -> float:
-        return self._bare(0, width)
-
-    def drafter(self, width: int) -> float:
-        return self._bare(1, width)
-
-    def limit(self, row: Row) -> float:
-        """The speedup over `ar` if each iteration cost only its bare passes (the target over the trie size the
-        run actually scored, on average) and `ar` only its bare step."""
-        if row.num_drafts == 0:
-            return 1.0
-        return row.block_efficiency * self.target(1) / (self.target(row.trie_positions)
-                                                       + self.block_length * self.drafter(row.num_drafts))
+def limit(costs: BareCosts, row: Row, block_length: int) -> float:
+    """The speedup over `ar` if each iteration cost only its bare passes (the target over the trie size the run
+    actually scored, on average) and `ar` only its bare step."""
+    if row.num_drafts == 0:
+        return 1.0
+    return costs.limit(row.block_efficiency, row.trie_positions, row.num_drafts, block_length)
 
 
 # --- batch throughput ----------------------------------------------------------------------------------------------
@@ -298,7 +224,7 @@ def report_greedy(rows: list[Row], title: str, console: Console) -> None:
                   f"as ar: {yes(same_outputs(token.records, ar.records))})")
 
 
-def report_sampling(rows: list[Row], costs: Costs, title: str, console: Console) -> None:
+def report_sampling(rows: list[Row], costs: BareCosts, block_length: int, title: str, console: Console) -> None:
     ar = rows[0]
     table = new_table(f"Sampling (T=1): speedup vs the cost-model limit\n{title}",
                       ["method", "tokens", "tok/s", "speedup vs ar", "after prefill", "block eff.", "trie pos.",
@@ -307,8 +233,9 @@ def report_sampling(rows: list[Row], costs: Costs, title: str, console: Console)
         speedup = row.decode_tokens_per_second / ar.decode_tokens_per_second
         table.add_row(row.method, str(int(row.total("new_tokens"))), f"{row.tokens_per_second:.2f}",
                       f"{row.tokens_per_second / ar.tokens_per_second:.2f}x", f"{speedup:.2f}x",
-                      f"{row.block_efficiency:.2f}", str(row.trie_positions), f"{costs.limit(row):.2f}x",
-                      f"{speedup / costs.limit(row):.0%}", f"{row.total('total_time'):.2f}")
+                      f"{row.block_efficiency:.2f}", str(row.trie_positions),
+                      f"{limit(costs, row, block_length):.2f}x", f"{speedup / limit(costs, row, block_length):.0%}",
+                      f"{row.total('total_time'):.2f}")
     console.print(table)
     # The share is relative to ar, which has overheads of its own: say how far ar is from its bare step.
     console.print(f"Share: the speedup after the prefill over its limit. ar itself runs at "
@@ -316,11 +243,11 @@ def report_sampling(rows: list[Row], costs: Costs, title: str, console: Console)
                   f"{1 / costs.target(1):.2f} tokens/s after the prefill")
 
 
-def report_costs(rows: list[Row], costs: Costs, context_length: int, repeats: int, title: str,
-                 console: Console) -> None:
+def report_costs(rows: list[Row], costs: BareCosts, block_length: int, context_length: int, repeats: int,
+                 title: str, console: Console) -> None:
     """Bare passes next to what the engine spends per iteration on each side after the prefill, so the gap between
     share and 100% can be pinned on the target side, the drafter or the rest."""
-    L = costs.block_length
+    L = block_length
     table = new_table(f"Bare forwards in one row over a cache of {context_length} prompt tokens (median of {repeats}; "
                       f"drafter: L={L} steps of K positions) vs the engine's ms per iteration at T=1 after the "
                       f"prefill\n{title}",
@@ -398,15 +325,15 @@ def main(argv: list[str] | None = None) -> None:
         warm, 2, [torch.Generator().manual_seed(i) for i in range(len(warm))])
     transformers_method(target, 2, drafter, L)(prompts[0], 0)
 
-    costs = Costs(target, drafter, prompts[0], L, args.repeats)
+    costs = BareCosts(target, drafter, prompts[0], args.repeats)
     rows = benchmark(target, drafter, prompts, n, L, args.max_drafts, console)
     runs = batch_throughput(target, drafter, batch_prompts, n, L, console)
 
     pair = f"{target.name} <- {drafter.name}"
     title = f"{pair}, {len(prompts)} prompts x {n} new tokens\n{about}"
     report_greedy(rows[:4], title, console)
-    report_sampling(rows[4:], costs, title, console)
-    report_costs(rows[4:], costs, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
+    report_sampling(rows[4:], costs, L, title, console)
+    report_costs(rows[4:], costs, L, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
     report_batch(runs, f"{pair}, {len(batch_prompts)} prompts x {n} new tokens\n{about}", console)
 
 

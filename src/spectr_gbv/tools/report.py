@@ -3,11 +3,12 @@
     python -m spectr_gbv.tools.report outputs/multirun/2026-01-01/12-00-00
 
 Reads each summary.json (one per job), writes report.md and report.csv into the folder (and prints the tables:
-by dataset in the paper's Table 1 shape when jobs ran several, agreement with `ar` at temperature 0, then all rows),
-and draws PNGs with matplotlib, one line per verifier: block efficiency against num_drafts (a panel per block
-length), against block_length (a panel per draft count) and against temperature, and the speedup over `ar` against
-num_drafts when the jobs ran with baseline=true. The summaries carry no optimal-transport bound (computing it needs
-the models' distributions at every prefix), so the plots draw none.
+by dataset in the paper's Table 1 shape when jobs ran several, the paired differences of the paper's orderings, the
+speed against its cost-model limit when jobs ran with baseline=true, agreement with `ar` at temperature 0, then all
+rows), and draws PNGs with matplotlib, one line per verifier: block efficiency against num_drafts (a panel per block
+length), against block_length (a panel per draft count) and against temperature, and, with baseline=true, the
+speedup over `ar` against num_drafts and each speedup beside its limit. The summaries carry no optimal-transport
+bound (computing it needs the models' distributions at every prefix), so the plots draw none.
 """
 import argparse
 import csv
@@ -27,6 +28,9 @@ from spectr_gbv.experiment.records import read_records  # noqa: E402
 COLUMNS = ("job", "dataset", "verifier", "num_drafts", "block_length", "temperature", "prompts", "new_tokens",
            "block_efficiency", "block_efficiency_se", "mean_accepted_length", "tokens_per_s", "speedup",
            "max_new_tokens", "model", "drafter")
+# A job's speed against its cost-model limit (baseline=true), in the speed table only.
+SPEED = ("machine", "ar_tokens_per_s", "trie_positions", "limit", "limit_share", "draft_time", "target_time",
+         "verify_time", "total_time")
 KNOBS_IN_LABEL = ("temperature", "model", "max_new_tokens")  # added to a line's label when they vary
 # The paper's orderings, as (method, method it should beat): the paired table gives each difference first - second.
 ORDERINGS = [(("gbv", 1), ("token", 1)), (("gbv", 1), ("bv", 1)), (("gbv", 3), ("spectr", 3)),
@@ -44,7 +48,7 @@ def collect(folder: Path) -> list[dict]:
             per_dataset = {name: metrics for name, metrics in per_dataset.items() if name != "overall"}
         for dataset, metrics in per_dataset.items():
             row = {**summary, **metrics, "dataset": dataset, "job": str(path.parent.relative_to(folder))}
-            rows.append({column: row.get(column) for column in COLUMNS})
+            rows.append({column: row.get(column) for column in COLUMNS + SPEED})
     return rows
 
 
@@ -56,7 +60,7 @@ def job_order(path: Path) -> list:
 def write_tables(rows: list[dict], folder: Path) -> str:
     """report.csv, one row per job and dataset; returns the same as a Markdown table."""
     with (folder / "report.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=COLUMNS)
+        writer = csv.DictWriter(file, fieldnames=COLUMNS + SPEED)
         writer.writeheader()
         writer.writerows(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -72,7 +76,7 @@ def dataset_table(rows: list[dict]) -> str:
         return ""
     methods: dict[str, dict[str, dict]] = {}
     for row in rows:
-        methods.setdefault(f"{row['verifier']} K={row['num_drafts']} L={row['block_length']}", {})[row["dataset"]] = row
+        methods.setdefault(method_label(row), {})[row["dataset"]] = row
     header = ["method"] + [f"{name} BE" for name in datasets] + ["mean BE"] + [f"{name} speedup" for name in datasets]
     header += ["mean speedup"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -84,6 +88,45 @@ def dataset_table(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([method, *efficiency, mean_with_error(found), *map(cell, speedups),
                                         cell(mean_speedup)]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def speed_table(rows: list[dict]) -> tuple[str, list[dict]]:
+    """Each job's speedup over `ar` beside its cost-model limit (decoding/costs.py) and the share reached, with the
+    time split, for the jobs run with baseline=true; returns the Markdown table and its rows (for the bars)."""
+    jobs = [row for row in {row["job"]: row for row in rows}.values() if row["limit"] is not None]  # overall rows
+    if not jobs:
+        return "", []
+    header = ["method", "prompts", "tokens/s", "ar tokens/s", "speedup", "block eff.", "trie positions", "limit",
+              "share", "draft %", "target %", "verify %"]
+    machines = ", and ".join(dict.fromkeys(str(row["machine"]) for row in jobs))
+    lines = [f"Measured on {machines}:", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in jobs:
+        split = [f"{100 * row[key] / row['total_time']:.0f}" for key in ("draft_time", "target_time", "verify_time")]
+        lines.append("| " + " | ".join([method_label(row), str(row["prompts"]), f"{row['tokens_per_s']:.2f}",
+                                        f"{row['ar_tokens_per_s']:.2f}", f"{row['speedup']:.2f}x",
+                                        f"{row['block_efficiency']:.2f}", f"{row['trie_positions']:.1f}",
+                                        f"{row['limit']:.2f}x", f"{row['limit_share']:.0%}", *split]) + " |")
+    return "\n".join(lines) + "\n", jobs
+
+
+def speed_bars(jobs: list[dict], path: Path) -> None:
+    """Each method's speedup beside its limit, one pair of bars per method, 1x (as fast as `ar`) marked."""
+    figure, axis = plt.subplots(figsize=(0.9 * len(jobs) + 2.5, 4))
+    xs = range(len(jobs))
+    axis.bar([x - 0.2 for x in xs], [row["speedup"] for row in jobs], 0.4, label="speedup over ar")
+    axis.bar([x + 0.2 for x in xs], [row["limit"] for row in jobs], 0.4, label="cost-model limit", alpha=0.5)
+    axis.axhline(1, color="gray", linestyle="--")
+    axis.set_xticks(list(xs), [method_label(row) for row in jobs], rotation=30, ha="right")
+    axis.set_ylabel("x ar's tokens/s")
+    axis.legend(fontsize="small")
+    axis.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def method_label(row: dict) -> str:
+    return f"{row['verifier']} K={row['num_drafts']} L={row['block_length']}"
 
 
 def greedy_agreement(rows: list[dict], folder: Path) -> str:
@@ -248,11 +291,14 @@ def report(folder: Path) -> str:
     if not rows:
         raise SystemExit(f"error: folder={folder}: no summary.json below it; give a run or multirun folder")
     paired, entries = paired_table(rows, folder)
-    tables = (dataset_table(rows), paired, greedy_agreement(rows, folder), write_tables(rows, folder))
+    speed, speed_jobs = speed_table(rows)
+    tables = (dataset_table(rows), paired, speed, greedy_agreement(rows, folder), write_tables(rows, folder))
     markdown = "\n".join(table for table in tables if table)
     (folder / "report.md").write_text(markdown)
     if entries:
         forest_plot(entries, folder / "paired_differences.png")
+    if speed_jobs:
+        speed_bars(speed_jobs, folder / "speedup_vs_limit.png")
     dataset_bars(rows, folder / "block_efficiency_by_dataset.png")
     plots = [("num_drafts", "block_efficiency", "block_length"), ("block_length", "block_efficiency", "num_drafts"),
              ("num_drafts", "speedup", "block_length"), ("temperature", "block_efficiency", "num_drafts")]
