@@ -21,7 +21,7 @@ def write_summary(folder, verifier, num_drafts, block_length, baseline=True, dat
         counts[COUNTERS.index(key)] = value
     metrics = aggregate(counts, [5.0, 3] + [1] * (block_length - 1))  # block_length + 7 iterations
     if limit is not None:  # as the module adds it with baseline=true
-        metrics.update(limit=limit, limit_share=metrics["speedup"] / limit)
+        metrics.update(speed_limit=limit, speed_limit_share=metrics["speedup"] / limit)
     folder.mkdir(parents=True, exist_ok=True)
     summary = {"verifier": verifier, "num_drafts": num_drafts, "block_length": block_length, "temperature": temperature,
                "max_new_tokens": 16, "model": "tiny", "drafter": "tiny'", "machine": "a CPU, 2 torch threads",

@@ -47,8 +47,8 @@ class RunSummary(Callback):
                 continue
             se = f" ± {m['block_efficiency_se']:.2f}" if m["prompts"] > 1 else ""
             speedup = f"{m['speedup']:.2f}x" if "speedup" in m else "-"
-            if "limit" in m:
-                speedup += f" ({m['limit']:.2f}x)"
+            if "speed_limit" in m:
+                speedup += f" ({m['speed_limit']:.2f}x)"
             table.add_row(name, str(m["prompts"]), f"{m['block_efficiency']:.2f}{se}",
                           f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.2f}", speedup)
         Console().print(table)

@@ -145,7 +145,7 @@ class SpeculativeEvaluation(LightningModule):
             limits = {name: costs.limit(m["block_efficiency"], round(m["trie_positions"]), self.hparams.num_drafts,
                                         self.hparams.block_length) for name, m in metrics.items()}
         for name, limit in self.trainer.strategy.broadcast(limits, src=0).items():
-            metrics[name].update(limit=limit, limit_share=metrics[name]["speedup"] / limit)
+            metrics[name].update(speed_limit=limit, speed_limit_share=metrics[name]["speedup"] / limit)
 
     def teardown(self, stage: str) -> None:
         if hasattr(self, "predictions"):
