@@ -8,6 +8,7 @@ import pytest
 
 from spectr_gbv.decoding.models import tiny
 from spectr_gbv.tools import audit
+from spectr_gbv.tools.report import main as report_main
 from spectr_gbv.verifiers.reference import LOSSLESS
 
 EXACT = 1e-12
@@ -57,10 +58,15 @@ def test_the_published_rule_is_biased(audits):
     assert max(measured["spectr_gbv_paper", k][1] for measured in audits for k in DRAFTS) > 1e-6
 
 
-def test_json_holds_the_documented_keys(tmp_path):
+def test_json_holds_the_documented_keys_and_the_report_prints_its_table(tmp_path, capsys):
     path = tmp_path / "real.json"
     audit.main(["--real", "--models", "tiny", "--support", "2", "--depth", "1", "--prompts", "1",
                 "--json", str(path)])
+    printed = capsys.readouterr().out
+    report_main([str(tmp_path)])  # the report renders the same table from the JSON alone
+    assert capsys.readouterr().out == printed
+    assert "| verifier | K | lossless | E[tau] | of bound | law error | max law error |" in printed
+    assert "| spectr_gbv_paper | 3 | NO | " in printed
     report = json.loads(path.read_text())
     settings = report["settings"]
     assert {"target", "drafter", "dtype", "temperature", "support", "depth", "drafts", "greedy_tokens",

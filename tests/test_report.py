@@ -93,7 +93,7 @@ def test_speed_table_puts_each_speedup_beside_its_limit(tmp_path, capsys):
 
 
 def test_report_of_an_empty_folder_is_one_error(tmp_path):
-    with pytest.raises(SystemExit, match="no summary.json below it"):
+    with pytest.raises(SystemExit, match="no summary.json or real audit below it"):
         main([str(tmp_path)])
 
 

@@ -36,6 +36,7 @@ from rich.text import Text
 from spectr_gbv.decoding.engine import eos_ids
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, packaged, tiny
 from spectr_gbv.decoding.sampling import warp
+from spectr_gbv.tools.report import audit_table
 from spectr_gbv.verifiers.reference import (
     ANCHORS,
     LOSSLESS,
@@ -247,26 +248,6 @@ def audit_real(models: str, support: int, depth: int, prompts: int) -> dict:
     return {"settings": settings, "results": summarise(audits, DRAFTS)}
 
 
-def real_table(report: dict) -> Table:
-    settings = report["settings"]
-    table = Table(title=f"Real pair {settings['target']} / {settings['drafter']} ({settings['dtype']}): "
-                        f"top-{settings['support']} tree, L={settings['depth']}, means over "
-                        f"{len(settings['contexts'])} contexts",
-                  title_justify="left", caption_justify="left")
-    for column in ("verifier", "K", "lossless", "E[tau]", "of bound", "law error", "max law error"):
-        table.add_column(Text(column), justify="left" if column == "verifier" else "right")
-    for row in report["results"]:
-        table.add_row(row["verifier"], str(row["K"]), "yes" if row["lossless"] else "NO",
-                      f"{row['mean_expected_accepted']:.6f}", f"{row['mean_share_of_bound']:.1%}",
-                      f"{row['mean_law_error']:.1e}", f"{row['max_law_error']:.1e}")
-    mass = {key: np.mean([context["support_mass"][key] for context in settings["contexts"]])
-            for key in ("p_root", "q_root", "p_mean", "q_mean")}
-    table.caption = Text(f"untruncated mass of the supports, means over the contexts: at the root "
-                         f"p {mass['p_root']:.3f}, q {mass['q_root']:.3f}; over all nodes "
-                         f"p {mass['p_mean']:.3f}, q {mass['q_mean']:.3f}")
-    return table
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m spectr_gbv.tools.audit", description=__doc__.splitlines()[0])
     parser.add_argument("--real", action="store_true", help="audit on exact instances built from the real pair")
@@ -297,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         report = audit_real(args.models, args.support, args.depth, args.prompts)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        console.print(real_table(report))
+        print(audit_table(report), end="")  # Markdown, as the report prints it from the JSON
         return
     console.print(Text("Exact audit (enumeration, float64). E[tau]: mean accepted draft tokens of one iteration; "
                        "of bound: E[tau] / sum_t alpha*_t with that K, which no lossless verifier can exceed; "

@@ -2,13 +2,14 @@
 
     python -m spectr_gbv.tools.report outputs/multirun/2026-01-01/12-00-00
 
-Reads each summary.json (one per job), writes report.md and report.csv into the folder (and prints the tables:
-by dataset in the paper's Table 1 shape when jobs ran several, the paired differences of the paper's orderings, the
-speed against its cost-model limit when jobs ran with baseline=true, agreement with `ar` at temperature 0, then all
-rows), and draws PNGs with matplotlib, one line per verifier: block efficiency against num_drafts (a panel per block
-length), against block_length (a panel per draft count) and against temperature, and, with baseline=true, the
-speedup over `ar` against num_drafts and each speedup beside its limit. The summaries carry no optimal-transport
-bound (computing it needs the models' distributions at every prefix), so the plots draw none.
+Reads each summary.json (one per job) and any real-distribution audit (`audit --real --json`) below the folder,
+writes report.md and report.csv into the folder and prints the tables: by dataset in the paper's Table 1 shape when
+jobs ran several, the paired differences of the paper's orderings, the speed against its cost-model limit when jobs
+ran with baseline=true, agreement with `ar` at temperature 0, the audit, then all rows. It draws PNGs with
+matplotlib, one line per verifier: block efficiency against num_drafts (a panel per block length), against
+block_length (a panel per draft count) and against temperature, and, with baseline=true, the speedup over `ar`
+against num_drafts and each speedup beside its limit. The summaries carry no optimal-transport bound (computing it
+needs the models' distributions at every prefix), so the plots draw none; the audit has it on exact instances.
 """
 import argparse
 import csv
@@ -125,6 +126,31 @@ def speed_bars(jobs: list[dict], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def real_audits(folder: Path) -> list[dict]:
+    """The JSON files of `python -m spectr_gbv.tools.audit --real --json PATH` below the folder."""
+    found = [json.loads(path.read_text()) for path in sorted(folder.rglob("*.json"))]
+    return [data for data in found if isinstance(data, dict) and data.keys() == {"settings", "results"}]
+
+
+def audit_table(audit: dict) -> str:
+    """The real-distribution audit: per verifier and K, the means over the contexts of E[tau] (accepted draft tokens
+    of one iteration), its share of the optimal-transport bound, and the law error (mean and max)."""
+    settings, contexts = audit["settings"], audit["settings"]["contexts"]
+    lines = [f"Real pair {settings['target']} / {settings['drafter']} ({settings['dtype']}, temperature "
+             f"{settings['temperature']}): top-{settings['support']} tree, L={settings['depth']}, means over "
+             f"{len(contexts)} contexts:", "",
+             "| verifier | K | lossless | E[tau] | of bound | law error | max law error |", "|---|---|---|---|---|---|---|"]
+    for row in audit["results"]:
+        lines.append(f"| {row['verifier']} | {row['K']} | {'yes' if row['lossless'] else 'NO'} | "
+                     f"{row['mean_expected_accepted']:.4f} | {row['mean_share_of_bound']:.1%} | "
+                     f"{row['mean_law_error']:.1e} | {row['max_law_error']:.1e} |")
+    mass = {key: sum(context["support_mass"][key] for context in contexts) / len(contexts)
+            for key in ("p_root", "q_root", "p_mean", "q_mean")}
+    lines += ["", f"Untruncated mass of the supports, means over the contexts: at the root p {mass['p_root']:.3f}, "
+                  f"q {mass['q_root']:.3f}; over all nodes p {mass['p_mean']:.3f}, q {mass['q_mean']:.3f}."]
+    return "\n".join(lines) + "\n"
 
 
 def method_label(row: dict) -> str:
@@ -289,12 +315,14 @@ def plot(rows: list[dict], x: str, y: str, panel: str, path: Path) -> bool:
 
 
 def report(folder: Path) -> str:
-    rows = collect(folder)
-    if not rows:
-        raise SystemExit(f"error: folder={folder}: no summary.json below it; give a run or multirun folder")
+    rows, audits = collect(folder), real_audits(folder)
+    if not rows and not audits:
+        raise SystemExit(f"error: folder={folder}: no summary.json or real audit below it; give a run or multirun "
+                         "folder")
     paired, entries = paired_table(rows, folder)
     speed, speed_jobs = speed_table(rows)
-    tables = (dataset_table(rows), paired, speed, greedy_agreement(rows, folder), write_tables(rows, folder))
+    tables = (dataset_table(rows), paired, speed, greedy_agreement(rows, folder),
+              *[audit_table(audit) for audit in audits], write_tables(rows, folder) if rows else "")
     markdown = "\n".join(table for table in tables if table)
     (folder / "report.md").write_text(markdown)
     if entries:
