@@ -30,6 +30,12 @@ def test_tiny_run_prints_machine_limits_costs_and_batches(capsys, restore_thread
     assert all(line.split()[-2] == "yes" for line in batch.splitlines() if line.startswith("│"))
 
 
+def test_an_int8_drafter_is_named_with_the_machine(capsys, restore_threads):
+    main(["--tiny", "--prompts", "1", "--batch-prompts", "1", "--max-new-tokens", "4", "--block-length", "2",
+          "--max-drafts", "1", "--repeats", "1", "--drafter-quantize", "int8"])
+    assert capsys.readouterr().out.splitlines()[0].endswith("float32, drafter int8")
+
+
 @pytest.mark.parametrize("flag", [["--max-new-tokens", "0"], ["--block-length", "-1"], ["--repeats", "0"],
                                   ["--dtype", "float16"], ["--batch-prompts", "0"], ["--prompts", "99"]])
 def test_bad_flag_values_exit_nonzero(flag, capsys):

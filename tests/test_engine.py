@@ -122,6 +122,19 @@ def test_lossless_verifiers_emit_the_greedy_path(greedy_pair, greedy_reference, 
     assert sum(sum(record.accepted_lengths) for record in records) > 0  # the perturbed drafter does get accepted
 
 
+@pytest.mark.parametrize("name, K", [("token", 1), ("gbv", 3)])
+def test_an_int8_drafter_keeps_the_target_greedy_path(name, K):
+    """A drafter with int8 weights is just another drafter: float32 target, greedy path unchanged."""
+    target, drafter = tiny(seed=0), tiny(seed=0, perturb=0.2, quantize="int8")
+    prompts = [target.encode_prompt(text) for text in PROMPTS]
+    expected = [hf_greedy(target, prompt, MAX_NEW) for prompt in prompts]
+    sampling = Sampling(temperature=0.0, draft_temperature=1.0 if K > 1 else None)
+    engine = SpeculativeEngine(target, drafter, name, num_drafts=K, block_length=4, sampling=sampling)
+    records = engine.generate_batch(prompts, MAX_NEW, generators(len(prompts)))
+    assert [record.output_ids for record in records] == expected
+    assert sum(sum(record.accepted_lengths) for record in records) > 0
+
+
 def generators(n: int, seed: int = 0) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(seed + i) for i in range(n)]
 

@@ -6,7 +6,8 @@ import torch
 import transformers
 
 from spectr_gbv.decoding import models
-from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, packaged, pretrained, tiny
+from spectr_gbv.decoding.models import Int8Linear, LoadedModel, check_same_tokenizer, packaged, pretrained, tiny
+from spectr_gbv.errors import ConfigError
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "1 + 1 = ", "Once upon a time"]
 
@@ -100,6 +101,35 @@ def test_check_same_tokenizer_rejects_a_different_vocabulary():
     other = LoadedModel(target.model, transformers.ByT5Tokenizer(extra_ids=10), "other")
     with pytest.raises(ValueError, match="'other'.*vocabularies differ"):
         check_same_tokenizer(target, other)
+
+
+# --- int8 weights --------------------------------------------------------------------------------------------------
+
+def test_int8_linear_is_the_matmul_with_its_int8_weights():
+    linear = torch.nn.Linear(64, 40, bias=True)
+    quantized_linear = Int8Linear(linear)
+    x = torch.randn(2, 3, 64)
+    dequantized = quantized_linear.weight.float() * quantized_linear.scales[:, None]
+    torch.testing.assert_close(quantized_linear(x), x @ dequantized.T + linear.bias)
+    assert (dequantized - linear.weight).abs().max() <= quantized_linear.scales.max() / 2 + 1e-7  # rounding
+
+
+def test_an_int8_drafter_keeps_its_laws_close():
+    drafter, int8 = tiny(seed=0, perturb=0.2), tiny(seed=0, perturb=0.2, quantize="int8")
+    assert isinstance(int8.model.lm_head, Int8Linear) and not any(
+        isinstance(module, torch.nn.Linear) for module in int8.model.modules())
+    ids = prompt_ids(drafter, " ".join(PROMPTS))
+    distance = 0.5 * (logits(drafter, ids).softmax(-1) - logits(int8, ids).softmax(-1)).abs().sum(-1)
+    assert 0 < distance.max() < 0.1  # total variation per position: changed, a little
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(quantize="int4"), "quantize=int4: choose null"),
+    (dict(quantize="int8", dtype="float64"), "quantize=int8: needs device cpu and dtype float32 or bfloat16"),
+])
+def test_bad_quantize_settings_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny(**kwargs)
 
 
 # --- pretrained ----------------------------------------------------------------------------------------------------

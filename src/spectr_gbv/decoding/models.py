@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from spectr_gbv.errors import ModelUnavailable
+from spectr_gbv.errors import ConfigError, ModelUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,11 @@ def torch_dtype(dtype: str) -> torch.dtype:
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2" or "org/name"
 
 
-def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file: str | None = None) -> LoadedModel:
-    """Load a local folder (optionally with gguf_file inside it), a path to a .gguf file, or a hub id."""
+def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file: str | None = None,
+               quantize: str | None = None) -> LoadedModel:
+    """Load a local folder (optionally with gguf_file inside it), a path to a .gguf file, or a hub id; quantize="int8"
+    stores its linear layers' weights in int8 (see Int8Linear)."""
+    check_quantize("quantize", quantize, dtype, device)
     local = Path(path).expanduser()
     if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
         local, gguf_file = local.parent, local.name
@@ -83,7 +86,51 @@ def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file
                                "where the hub is reachable") from error
     tokenizer = transformers.AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
     name = Path(gguf_file).stem if gguf_file else Path(path).name
-    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name)
+    return LoadedModel(model=quantized(model.eval(), quantize), tokenizer=tokenizer, name=name)
+
+
+# --- int8 weights -----------------------------------------------------------------------------------------------------
+
+QUANTIZE = {None: "the weights as loaded", "int8": "int8 linear weights, one scale per output channel (CPU)"}
+
+
+def check_quantize(key: str, quantize: str | None, dtype: str, device: str) -> None:
+    """The one check of the quantize setting (the run's config check calls it with the model's key)."""
+    if quantize not in QUANTIZE:
+        raise ConfigError(key, quantize, "choose null (the weights as loaded) or int8")
+    if quantize == "int8" and (device != "cpu" or dtype not in ("float32", "bfloat16")):
+        raise ConfigError(key, quantize, f"needs device cpu and dtype float32 or bfloat16 (torch's int8 weight "
+                                         f"kernel), not {device} and {dtype}; use null")
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer whose weight is stored in int8 with one scale per output channel, computed by torch's CPU
+    weight-only kernel with activations in the model's dtype. On a CPU a drafter's step of a few positions reads its
+    weights once and little else, so half the bytes of bfloat16 make the step cheaper. The model's laws move a little;
+    verification stays lossless, because the verifiers get exactly the laws the quantized drafter sampled from."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        self.register_buffer("weight", (weight / scales[:, None]).round().to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
+        y = y.view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+def quantized(model: transformers.PreTrainedModel, quantize: str | None) -> transformers.PreTrainedModel:
+    """The model with every torch.nn.Linear (the output layer included) replaced as `quantize` says."""
+    if quantize == "int8":
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(module, name, Int8Linear(child))
+    return model
 
 
 def check_same_tokenizer(target: LoadedModel, drafter: LoadedModel) -> None:
@@ -134,9 +181,9 @@ PACKAGED = {
 DEFAULT_PREPARE = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 
 
-def packaged(name: str, dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
+def packaged(name: str, dtype: str = "bfloat16", device: str = "cpu", quantize: str | None = None) -> LoadedModel:
     """A packaged real model, loaded from its bfloat16 copy in the cache (made on first use)."""
-    loaded = pretrained(str(prepare(name)), dtype, device)
+    loaded = pretrained(str(prepare(name)), dtype, device, quantize=quantize)
     loaded.name = name
     return loaded
 
@@ -219,8 +266,8 @@ def convert_to_bfloat16(gguf: Path, converted: Path) -> None:
 
 # --- tiny random models for tests --------------------------------------------------------------------------------
 
-def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidden_size: int = 64,
-         perturb: float = 0.0, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidden_size: int = 64, perturb: float = 0.0,
+         dtype: str = "float32", device: str = "cpu", quantize: str | None = None) -> LoadedModel:
     """A tiny random causal LM; tiny(seed=s, perturb=x) is the target tiny(seed=s) with seeded noise, a drafter.
 
     vocab_size=None uses the whole byte-level tokenizer (384 ids); a small vocab_size (>= 2, so that pad=0 and
@@ -236,6 +283,7 @@ def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidd
         raise ValueError(f"num_layers={num_layers} is not allowed; use at least 1")
     if perturb < 0:
         raise ValueError(f"perturb={perturb} is not allowed; use a relative noise scale >= 0")
+    check_quantize("quantize", quantize, dtype, device)
     # Llama, not Qwen2: for model_type qwen2 AutoTokenizer ignores the saved tokenizer class, so a saved tiny
     # model would reload with a Qwen2 tokenizer that maps bytes to nothing.
     config = transformers.LlamaConfig(
@@ -259,7 +307,7 @@ def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidd
         add_relative_noise(model, perturb, seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
+    model = quantized(model.to(device=device, dtype=torch_dtype(dtype)).eval(), quantize)
     name = f"tiny(seed={seed}, vocab={vocab_size}, perturb={perturb})"
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 

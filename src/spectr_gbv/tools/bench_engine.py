@@ -85,11 +85,11 @@ class Row:
         return max(1, round(self.total("target_positions") / self.decode_calls))
 
 
-def load_pair(use_tiny: bool, dtype: str) -> tuple[LoadedModel, LoadedModel]:
+def load_pair(use_tiny: bool, dtype: str, drafter_quantize: str | None) -> tuple[LoadedModel, LoadedModel]:
     if use_tiny:
-        return tiny(seed=0, dtype=dtype), tiny(seed=0, perturb=0.2, dtype=dtype)
+        return tiny(seed=0, dtype=dtype), tiny(seed=0, perturb=0.2, dtype=dtype, quantize=drafter_quantize)
     return (packaged("qwen2.5-coder-1.5b-instruct", dtype=dtype),
-            packaged("qwen2.5-coder-0.5b-instruct", dtype=dtype))
+            packaged("qwen2.5-coder-0.5b-instruct", dtype=dtype, quantize=drafter_quantize))
 
 
 def engine_method(target, drafter, verifier, max_new_tokens, temperature, num_drafts=1, block_length=4):
@@ -299,6 +299,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-length", type=int, default=4)
     parser.add_argument("--max-drafts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions of each bare forward")
+    parser.add_argument("--drafter-quantize", choices=["int8"], default=None,
+                        help="the drafter's linear weights in int8 (the engine and transformers' assisted generation "
+                             "both draft with it)")
     args = parser.parse_args(argv)
     for key in ("max_new_tokens", "block_length", "max_drafts", "repeats"):
         if getattr(args, key) < 1:
@@ -312,9 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:  # tiny models are all per-op overhead: a second thread only adds synchronisation
         torch.set_num_threads(1)
     console = Console(width=WIDTH)
-    about = machine(args.dtype)
+    about = machine(args.dtype) + (f", drafter {args.drafter_quantize}" if args.drafter_quantize else "")
     console.print(f"machine: {about}")
-    target, drafter = load_pair(args.tiny, args.dtype)
+    target, drafter = load_pair(args.tiny, args.dtype, args.drafter_quantize)
     texts = PROMPTS[:max(args.prompts, args.batch_prompts)]
     encoded = [target.encode_prompt(text) for text in texts]
     prompts, batch_prompts = encoded[:args.prompts], encoded[:args.batch_prompts]
