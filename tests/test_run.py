@@ -274,3 +274,14 @@ def test_torn_last_line_is_decoded_again_and_shards_merge(tmp_path):
     assert sorted(read_records(tmp_path)) == [("d", 0), ("d", 1), ("d", 2)]
     merge_rank_files(tmp_path)
     assert not shard.exists() and list(records_in(main)) == [("d", 0), ("d", 2), ("d", 1)]
+
+
+def test_a_setting_added_since_resumes_at_null_and_refuses_otherwise(tmp_path):
+    from spectr_gbv.errors import ConfigError
+    from spectr_gbv.experiment.records import claim_folder
+
+    before = {"verifier": "gbv", "drafter_config": {"name": "d", "dtype": "bfloat16"}}
+    claim_folder(tmp_path, before)  # a folder written before drafter.quantize existed
+    claim_folder(tmp_path, {**before, "drafter_config": {"name": "d", "dtype": "bfloat16", "quantize": None}})
+    with pytest.raises(ConfigError, match="holds records of another job"):
+        claim_folder(tmp_path, {**before, "drafter_config": {"name": "d", "dtype": "bfloat16", "quantize": "int8"}})

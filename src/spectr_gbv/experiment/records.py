@@ -25,11 +25,20 @@ def claim_folder(folder: Path, knobs: dict) -> None:
         path = folder / name
         earlier = json.loads(path.read_text()) if path.exists() else {}
         for key, value in knobs.items():
-            if key not in GROWABLE and key in earlier and earlier[key] != value:
+            if key not in GROWABLE and key in earlier and not same_setting(earlier[key], value):
                 raise ConfigError("output_dir", str(folder), f"holds records of another job ({key}={earlier[key]} "
                                   f"there, {value} now); give this job a new folder")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "job.json").write_text(json.dumps(knobs, indent=2) + "\n")
+
+
+def same_setting(earlier, now) -> bool:
+    """Equal, where a key that only one side has counts as equal when it is null there: a setting added to the
+    project later (e.g. a model's `quantize`) defaults to null, the behaviour before it existed, so folders written
+    before it still resume."""
+    if isinstance(earlier, dict) and isinstance(now, dict):
+        return all(same_setting(earlier.get(key), now.get(key)) for key in earlier.keys() | now.keys())
+    return earlier == now
 
 
 def predictions_file(folder: Path, rank: int) -> Path:
