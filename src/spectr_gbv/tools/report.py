@@ -141,7 +141,7 @@ def audit_table(audit: dict) -> str:
     lines = [f"Real pair {settings['target']} / {settings['drafter']} ({settings['dtype']}, temperature "
              f"{settings['temperature']}): top-{settings['support']} tree, L={settings['depth']}, means over "
              f"{len(contexts)} contexts:", "",
-             "| verifier | K | lossless | E[tau] | of bound | law error | max law error |", "|---|---|---|---|---|---|---|"]
+             "| verifier | K | lossless | E[tau] | of bound | law error | max law error |", "|" + "---|" * 7]
     for row in audit["results"]:
         lines.append(f"| {row['verifier']} | {row['K']} | {'yes' if row['lossless'] else 'NO'} | "
                      f"{row['mean_expected_accepted']:.4f} | {row['mean_share_of_bound']:.1%} | "
