@@ -232,7 +232,7 @@ def forest_plot(entries: list[dict], path: Path) -> None:
     axis.axvline(0, color="gray", linestyle="--")
     axis.set_yticks(range(len(entries)), [f"{entry['label']} ({entry['setting']})" for entry in entries])
     axis.invert_yaxis()
-    axis.set_xlabel("per-prompt difference in block efficiency, mean and 95% interval")
+    axis.set_xlabel("difference in block efficiency per prompt:\nmean and 95% interval")
     axis.grid(alpha=0.3, axis="x")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
