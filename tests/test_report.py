@@ -136,3 +136,11 @@ def test_paired_bootstrap_is_seeded_and_covers_the_mean():
         "prompts": 10, "mean": 1.0, "low": 1.0, "high": 1.0}
     assert first["d"]["low"] < first["d"]["mean"] == 2.0 < first["d"]["high"]
     assert first["overall"]["low"] < (100 + 10) / 60 < first["overall"]["high"]
+
+
+def test_jobs_at_several_temperatures_keep_a_row_each(tmp_path, capsys):
+    for job, temperature in enumerate((0.0, 0.4)):
+        write_summary(tmp_path / str(job), "gbv", 3, 8, temperature=temperature)
+    main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| gbv K=3 L=8 temperature=0.0 | " in out and "| gbv K=3 L=8 temperature=0.4 | " in out

@@ -77,7 +77,7 @@ def dataset_table(rows: list[dict]) -> str:
         return ""
     methods: dict[str, dict[str, dict]] = {}
     for row in rows:
-        methods.setdefault(method_label(row), {})[row["dataset"]] = row
+        methods.setdefault(method_label(row, varying_knobs(rows)), {})[row["dataset"]] = row
     header = ["method"] + [f"{name} BE" for name in datasets] + ["mean BE"] + [f"{name} speedup" for name in datasets]
     header += ["mean speedup"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -102,9 +102,10 @@ def speed_table(rows: list[dict]) -> tuple[str, list[dict]]:
               "share", "draft %", "target %", "verify %"]
     machines = ", and ".join(dict.fromkeys(str(row["machine"]) for row in jobs))
     lines = [f"Measured on {machines}:", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    varying = varying_knobs(jobs)
     for row in jobs:
         split = [f"{100 * row[key] / row['total_time']:.0f}" for key in ("draft_time", "target_time", "verify_time")]
-        lines.append("| " + " | ".join([method_label(row), str(row["prompts"]), f"{row['tokens_per_s']:.2f}",
+        lines.append("| " + " | ".join([method_label(row, varying), str(row["prompts"]), f"{row['tokens_per_s']:.2f}",
                                         f"{row['ar_tokens_per_s']:.2f}", f"{row['speedup']:.2f}x",
                                         f"{row['block_efficiency']:.2f}", f"{row['trie_positions']:.1f}",
                                         f"{row['speed_limit']:.2f}x", f"{row['speed_limit_share']:.0%}",
@@ -119,7 +120,7 @@ def speed_bars(jobs: list[dict], path: Path) -> None:
     axis.bar([x - 0.2 for x in xs], [row["speedup"] for row in jobs], 0.4, label="speedup over ar")
     axis.bar([x + 0.2 for x in xs], [row["speed_limit"] for row in jobs], 0.4, label="cost-model limit", alpha=0.5)
     axis.axhline(1, color="gray", linestyle="--")
-    axis.set_xticks(list(xs), [method_label(row) for row in jobs], rotation=30, ha="right")
+    axis.set_xticks(list(xs), [method_label(row, varying_knobs(jobs)) for row in jobs], rotation=30, ha="right")
     axis.set_ylabel("x ar's tokens/s")
     axis.legend(fontsize="small")
     axis.grid(alpha=0.3, axis="y")
@@ -153,8 +154,15 @@ def audit_table(audit: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def method_label(row: dict) -> str:
-    return f"{row['verifier']} K={row['num_drafts']} L={row['block_length']}"
+def method_label(row: dict, varying: list[str]) -> str:
+    """A job's name in tables and legends: verifier, K, L, and the knobs that vary between the jobs shown (e.g. the
+    temperature), so that no two jobs share a row or a bar."""
+    return " ".join([f"{row['verifier']} K={row['num_drafts']} L={row['block_length']}"]
+                    + [f"{knob}={row[knob]}" for knob in varying])
+
+
+def varying_knobs(rows: list[dict]) -> list[str]:
+    return [knob for knob in KNOBS_IN_LABEL if len({row[knob] for row in rows}) > 1]
 
 
 def greedy_agreement(rows: list[dict], folder: Path) -> str:
@@ -247,7 +255,7 @@ def dataset_bars(rows: list[dict], path: Path) -> bool:
         return False
     methods: dict[str, dict[str, dict]] = {}
     for row in rows:
-        methods.setdefault(f"{row['verifier']} K={row['num_drafts']}", {})[row["dataset"]] = row
+        methods.setdefault(method_label(row, varying_knobs(rows)), {})[row["dataset"]] = row
     width = 0.8 / len(methods)
     figure, axis = plt.subplots(figsize=(1.6 * len(datasets) + 3, 4))
     for i, (method, by_dataset) in enumerate(methods.items()):
