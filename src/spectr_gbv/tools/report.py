@@ -76,8 +76,9 @@ def dataset_table(rows: list[dict]) -> str:
     if len(datasets) < 2:
         return ""
     methods: dict[str, dict[str, dict]] = {}
+    varying = varying_knobs(rows)
     for row in rows:
-        methods.setdefault(method_label(row, varying_knobs(rows)), {})[row["dataset"]] = row
+        methods.setdefault(method_label(row, varying), {})[row["dataset"]] = row
     header = ["method"] + [f"{name} BE" for name in datasets] + ["mean BE"] + [f"{name} speedup" for name in datasets]
     header += ["mean speedup"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -120,7 +121,8 @@ def speed_bars(jobs: list[dict], path: Path) -> None:
     axis.bar([x - 0.2 for x in xs], [row["speedup"] for row in jobs], 0.4, label="speedup over ar")
     axis.bar([x + 0.2 for x in xs], [row["speed_limit"] for row in jobs], 0.4, label="cost-model limit", alpha=0.5)
     axis.axhline(1, color="gray", linestyle="--")
-    axis.set_xticks(list(xs), [method_label(row, varying_knobs(jobs)) for row in jobs], rotation=30, ha="right")
+    varying = varying_knobs(jobs)
+    axis.set_xticks(list(xs), [method_label(row, varying) for row in jobs], rotation=30, ha="right")
     axis.set_ylabel("x ar's tokens/s")
     axis.legend(fontsize="small")
     axis.grid(alpha=0.3, axis="y")
@@ -254,8 +256,9 @@ def dataset_bars(rows: list[dict], path: Path) -> bool:
     if len(datasets) < 2:
         return False
     methods: dict[str, dict[str, dict]] = {}
+    varying = varying_knobs(rows)
     for row in rows:
-        methods.setdefault(method_label(row, varying_knobs(rows)), {})[row["dataset"]] = row
+        methods.setdefault(method_label(row, varying), {})[row["dataset"]] = row
     width = 0.8 / len(methods)
     figure, axis = plt.subplots(figsize=(1.6 * len(datasets) + 3, 4))
     for i, (method, by_dataset) in enumerate(methods.items()):
