@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from spectr_gbv.decoding.costs import cpu_name
-from spectr_gbv.tools.bench_engine import main
+from spectr_gbv.decoding.engine import DecodeRecord
+from spectr_gbv.tools.bench_engine import BatchRun, main
 
 
 @pytest.fixture
@@ -21,13 +22,20 @@ def test_tiny_run_prints_machine_limits_costs_and_batches(capsys, restore_thread
     assert out.startswith(f"machine: {cpu_name()}, AMX-BF16: ")
     assert "AVX512-BF16: " in out and f"torch {torch.__version__}" in out and "float64" in out
     for heading in ["Greedy (T=0)", "ar / generate() tokens/s", "Sampling (T=1): speedup vs the cost-model limit",
-                    "limit", "share", "ar itself runs at", "Bare forwards", "Batch throughput"]:
+                    "limit", "share", "ar itself runs at", "Bare forwards", "Batch throughput",
+                    "rows/pass"]:
         assert heading in out
     assert "gbv K=2 L=2" in out and "same tokens as B=1" in out
     # B = 1, 2, 4 on 4 prompts (not 8); float64, so every B emits the tokens of B = 1
     batch = out[out.index("Batch throughput"):]
     assert [line.split()[1] for line in batch.splitlines() if line.startswith("│")] == ["1", "2", "4"]
     assert all(line.split()[-2] == "yes" for line in batch.splitlines() if line.startswith("│"))
+
+
+def test_a_batch_pass_holds_the_rows_still_decoding():
+    """Rows of a call start together and leave after their last iteration; each call starts full again."""
+    chunks = [[DecodeRecord(target_calls=n) for n in calls] for calls in ([2, 3, 1], [1, 1])]
+    assert BatchRun(3, chunks, wall=1.0).rows_per_pass() == [3, 2, 1, 2]
 
 
 def test_an_int8_drafter_is_named_with_the_machine(capsys, restore_threads):

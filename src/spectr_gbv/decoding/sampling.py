@@ -39,10 +39,15 @@ class Sampling:
 
 def warp(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Next-token probabilities [..., V] from logits [..., V], in float32 or wider (float64 stays float64)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    wide = torch.promote_types(logits.dtype, torch.float32)
     if temperature == 0:  # greedy: exact one-hot, no division by zero
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / temperature
+        return torch.zeros(logits.shape, dtype=wide, device=logits.device).scatter_(
+            -1, logits.argmax(-1, keepdim=True), 1.0)
+    # One pass over [rows, V] fewer when it changes nothing: at T = 1 there is nothing to divide (x / 1 is x), and
+    # the division happens in place on the widened copy (the same values as logits.float() / T).
+    logits = logits.to(wide, copy=True)
+    if temperature != 1:
+        logits.div_(temperature)
     if 0 < top_k < logits.shape[-1]:
         kth_largest = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

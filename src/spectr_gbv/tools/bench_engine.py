@@ -6,7 +6,8 @@ models), after one line naming the machine (CPU, its bf16 matrix units, threads,
     transformers' assisted generation (same drafter, L drafted tokens per call) vs `token` with K = 1;
   - sampling (T = 1): `ar` and `gbv` K = 1..max_drafts, each against the cost-model limit of its speedup
     (decoding/costs.py), with the bare passes in one row over a KV cache holding the first prompt, timed in this run;
-  - batch throughput: `gbv` K = 3 at T = 1 on N prompts decoded B at a time, B = 1, 2, 4, 8 (those <= N).
+  - batch throughput: `gbv` K = 3 at T = 1 on N prompts decoded B at a time, B = 1, 2, 4, 8 (those <= N), each
+    against the ratio to B = 1 that bare passes over the rows each pass held allow.
 Speedups are ratios to `ar` at the same temperature, measured in this run. Methods run prompt by prompt, in turn, so
 noise from other processes hits all alike. Prompt i always draws from a generator seeded i. Target calls of
 transformers' runs are counted with a forward hook, so their block efficiency is measured as the engine's.
@@ -169,12 +170,36 @@ def limit(costs: BareCosts, row: Row, block_length: int) -> float:
 @dataclass
 class BatchRun:
     batch_size: int
-    records: list[DecodeRecord]
+    chunks: list[list[DecodeRecord]]  # the records of each generate_batch call
     wall: float
 
     @property
+    def records(self) -> list[DecodeRecord]:
+        return [record for chunk in self.chunks for record in chunk]
+
+    def total(self, key: str) -> float:
+        return sum(getattr(record, key) for record in self.records)
+
+    @property
     def tokens_per_second(self) -> float:
-        return sum(r.new_tokens for r in self.records) / self.wall
+        return self.total("new_tokens") / self.wall
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens/s after the prefills (the speculative path's prefill emits no token)."""
+        return self.total("new_tokens") / (self.wall - self.total("prefill_time"))
+
+    def rows_per_pass(self) -> list[int]:
+        """The rows of every target pass: a call's rows start together and each leaves after its last iteration,
+        so pass j of a call holds the rows with at least j iterations."""
+        return [sum(record.target_calls >= j for record in chunk)
+                for chunk in self.chunks for j in range(1, max(record.target_calls for record in chunk) + 1)]
+
+    def bare_tokens_per_second(self, costs: BareCosts, block_length: int) -> float:
+        """Tokens/s if every pass cost only its bare forwards over the rows it held (at the run's mean trie size)."""
+        trie = max(1, round(self.total("target_positions") / self.total("target_calls")))
+        seconds = sum(costs.iteration(trie, BATCH_DRAFTS, block_length, rows) for rows in self.rows_per_pass())
+        return self.total("new_tokens") / seconds
 
 
 def batch_throughput(target, drafter, prompts, max_new_tokens, block_length, console) -> list[BatchRun]:
@@ -183,13 +208,13 @@ def batch_throughput(target, drafter, prompts, max_new_tokens, block_length, con
     engine = SpeculativeEngine(target, drafter, "gbv", BATCH_DRAFTS, block_length, Sampling(1.0))
     runs = []
     for B in [B for B in BATCH_SIZES if B <= len(prompts)]:
-        records = []
+        chunks = []
         start = time.perf_counter()
         for first in range(0, len(prompts), B):
             chunk = range(first, min(first + B, len(prompts)))
-            records += engine.generate_batch([prompts[i] for i in chunk], max_new_tokens,
-                                             [torch.Generator().manual_seed(i) for i in chunk])
-        runs.append(BatchRun(B, records, time.perf_counter() - start))
+            chunks.append(engine.generate_batch([prompts[i] for i in chunk], max_new_tokens,
+                                                [torch.Generator().manual_seed(i) for i in chunk]))
+        runs.append(BatchRun(B, chunks, time.perf_counter() - start))
         console.log(f"batch B={B}: {runs[-1].tokens_per_second:.2f} tokens/s")
     return runs
 
@@ -266,20 +291,26 @@ def report_costs(rows: list[Row], costs: BareCosts, block_length: int, context_l
     console.print(table)
 
 
-def report_batch(runs: list[BatchRun], title: str, console: Console) -> None:
+def report_batch(runs: list[BatchRun], costs: BareCosts, block_length: int, title: str, console: Console) -> None:
     base = runs[0]
     table = new_table(f"Batch throughput: gbv K={BATCH_DRAFTS} at T=1, B prompts per generate_batch call\n{title}",
-                      ["B", "tokens", "wall s", "tok/s", "vs B=1", "block eff.", "draft %", "target %", "verify %",
-                       "same tokens as B=1"])
+                      ["B", "tokens", "wall s", "tok/s", "vs B=1", "after prefill", "limit", "share", "rows/pass",
+                       "block eff.", "draft %", "target %", "verify %", "same tokens as B=1"])
+    base_bare = base.bare_tokens_per_second(costs, block_length)
     for run in runs:
-        tokens = sum(r.new_tokens for r in run.records)
-        table.add_row(str(run.batch_size), str(tokens), f"{run.wall:.2f}", f"{run.tokens_per_second:.2f}",
-                      f"{run.tokens_per_second / base.tokens_per_second:.2f}x",
-                      f"{tokens / sum(r.target_calls for r in run.records):.2f}",
-                      *[f"{sum(getattr(r, key) for r in run.records) / run.wall:.0%}"
-                        for key in ("draft_time", "target_time", "verify_time")],
+        after_prefill = run.decode_tokens_per_second / base.decode_tokens_per_second
+        limit = run.bare_tokens_per_second(costs, block_length) / base_bare
+        rows = run.rows_per_pass()
+        table.add_row(str(run.batch_size), str(int(run.total("new_tokens"))), f"{run.wall:.2f}",
+                      f"{run.tokens_per_second:.2f}", f"{run.tokens_per_second / base.tokens_per_second:.2f}x",
+                      f"{after_prefill:.2f}x", f"{limit:.2f}x", f"{after_prefill / limit:.0%}",
+                      f"{sum(rows) / len(rows):.1f}", f"{run.total('new_tokens') / run.total('target_calls'):.2f}",
+                      *[f"{run.total(key) / run.wall:.0%}" for key in ("draft_time", "target_time", "verify_time")],
                       yes(same_outputs(run.records, base.records)))
     console.print(table)
+    console.print("vs B=1 and after prefill: tokens/s over B=1's, with and without the prefills. Limit: the same ratio "
+                  "if every pass cost only its bare forwards over the rows it held (rows leave as they finish; "
+                  "rows/pass is their mean). Share: after prefill / limit.")
 
 
 # --- command line --------------------------------------------------------------------------------------------------
@@ -337,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     report_greedy(rows[:4], title, console)
     report_sampling(rows[4:], costs, L, title, console)
     report_costs(rows[4:], costs, L, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
-    report_batch(runs, f"{pair}, {len(batch_prompts)} prompts x {n} new tokens\n{about}", console)
+    report_batch(runs, costs, L, f"{pair}, {len(batch_prompts)} prompts x {n} new tokens\n{about}", console)
 
 
 if __name__ == "__main__":
