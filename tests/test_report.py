@@ -5,7 +5,7 @@ import json
 import pytest
 
 from spectr_gbv.experiment.metrics import COUNTERS, aggregate
-from spectr_gbv.tools.report import main
+from spectr_gbv.tools.report import main, refresh_page
 
 BLOCK_LENGTHS = (2, 4)
 
@@ -90,6 +90,21 @@ def test_speed_table_puts_each_speedup_beside_its_limit(tmp_path, capsys):
     assert lines[header + 2] == "| gbv K=1 L=4 | 4 | 22.50 | 13.33 | 1.69x | 2.25 | 5.0 | 2.50x | 68% | 40 | 50 | 5 |"
     assert lines[header + 3].startswith("| gbv K=3 L=4 | 4 | 27.50 | 13.33 | 2.06x | ") and not lines[header + 4]
     assert (tmp_path / "speedup_vs_limit.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_page_quoting_the_report_gets_its_rows_refreshed_and_keeps_its_prose(tmp_path):
+    printed = ("| method | mtbench BE |\n|---|---|\n| gbv K=1 | 2.50 |\n| gbv K=3 | 3.10 |\n| spectr K=3 | 3.00 |\n\n"
+               "| paired | setting | overall |\n|---|---|---|\n| a - b | L=2 | +0.1 |\n| a - b | L=4 | +0.3 |\n")
+    page = tmp_path / "results.md"
+    page.write_text("Prose 2.40.\n\n| method | mtbench BE |\n|---|---|\n| spectr K=3 | 2.90 |\n| gbv K=1 | 2.40 |\n\n"
+                    "| paired | setting | overall |\n|---|---|---|\n| a - b | L=4 | +0.2 |\n\n"
+                    "| method | other |\n|---|---|\n| gbv K=1 | 9 |\n")
+    assert refresh_page(page, printed) == 3
+    # the page's own rows and order; a table with another header (another part's) is left alone, and so is prose
+    assert page.read_text() == ("Prose 2.40.\n\n| method | mtbench BE |\n|---|---|\n| spectr K=3 | 3.00 |\n"
+                                "| gbv K=1 | 2.50 |\n\n| paired | setting | overall |\n|---|---|---|\n| a - b | L=4 | +0.3 |"
+                                "\n\n| method | other |\n|---|---|\n| gbv K=1 | 9 |\n")
+    assert refresh_page(page, printed) == 0
 
 
 def test_report_of_an_empty_folder_is_one_error(tmp_path):

@@ -1,6 +1,7 @@
 """One table and a few plots from every job below a run or multirun folder:
 
     python -m spectr_gbv.tools.report outputs/multirun/2026-01-01/12-00-00
+    python -m spectr_gbv.tools.report docs/study/main --page docs/results.md   # also refresh the page's tables
 
 Reads each summary.json (one per job) and any real-distribution audit (`audit --real --json`) below the folder,
 writes report.md and report.csv into the folder and prints the tables: by dataset in the paper's Table 1 shape when
@@ -348,13 +349,65 @@ def report(folder: Path) -> str:
     return markdown
 
 
+def markdown_tables(lines: list[str]) -> list[tuple[int, int]]:
+    """(first, end) line spans of the Markdown tables in lines."""
+    spans, first = [], None
+    for index, line in enumerate([*lines, ""]):
+        if line.startswith("|") and first is None:
+            first = index
+        elif not line.startswith("|") and first is not None:
+            spans.append((first, index))
+            first = None
+    return spans
+
+
+def key_width(rows: list[str]) -> int:
+    """Cells that name a row across runs: the first, or the first two where the first repeats (a paired
+    difference at several settings, an audit's verifier at several K)."""
+    firsts = [row.split(" | ")[0] for row in rows]
+    return 1 if len(set(firsts)) == len(firsts) else 2
+
+
+def row_key(row: str, width: int) -> tuple[str, ...]:
+    return tuple(row.split(" | ")[:width])
+
+
+def refresh_page(page: Path, markdown: str) -> int:
+    """Replace in a results page every table row that this report prints anew: a page's table is refreshed when
+    the report prints a table with the same header holding every row the page quotes (the page may quote a subset,
+    in its own order). Returns the rows replaced; prose is left as it is."""
+    printed = markdown.splitlines()
+    lines = page.read_text().splitlines()
+    replaced = 0
+    for first, end in markdown_tables(lines):
+        quoted = lines[first + 2:end]  # below the header and its separator
+        for start, stop in markdown_tables(printed):
+            rows = printed[start + 2:stop]
+            width = key_width(rows)
+            by_key = {row_key(row, width): row for row in rows}
+            keys = [row_key(row, width) for row in quoted]
+            if printed[start] == lines[first] and all(key in by_key for key in keys):
+                lines[first + 2:end] = [by_key[key] for key in keys]
+                replaced += sum(old != new for old, new in zip(quoted, lines[first + 2:end]))
+                break
+    page.write_text("\n".join(lines) + "\n")
+    return replaced
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m spectr_gbv.tools.report", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a run or multirun folder (searched recursively)")
-    folder = parser.parse_args(argv).folder
-    if not folder.is_dir():
-        sys.exit(f"error: folder={folder}: not a directory; give a run or multirun folder")
-    print(report(folder), end="")
+    parser.add_argument("--page", type=Path, help="a results page (docs/results.md) whose tables quote this report: "
+                                                  "refresh their rows from it")
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        sys.exit(f"error: folder={args.folder}: not a directory; give a run or multirun folder")
+    if args.page is not None and not args.page.is_file():
+        sys.exit(f"error: page={args.page}: no such file; give a Markdown page that quotes this report")
+    markdown = report(args.folder)
+    print(markdown, end="")
+    if args.page is not None:
+        print(f"{args.page}: {refresh_page(args.page, markdown)} table rows refreshed", file=sys.stderr)
 
 
 if __name__ == "__main__":
