@@ -102,8 +102,8 @@ def test_a_page_quoting_the_report_gets_its_rows_refreshed_and_keeps_its_prose(t
     assert refresh_page(page, printed) == 3
     # the page's own rows and order; a table with another header (another part's) is left alone, and so is prose
     assert page.read_text() == ("Prose 2.40.\n\n| method | mtbench BE |\n|---|---|\n| spectr K=3 | 3.00 |\n"
-                                "| gbv K=1 | 2.50 |\n\n| paired | setting | overall |\n|---|---|---|\n| a - b | L=4 | +0.3 |"
-                                "\n\n| method | other |\n|---|---|\n| gbv K=1 | 9 |\n")
+                                "| gbv K=1 | 2.50 |\n\n| paired | setting | overall |\n|---|---|---|\n"
+                                "| a - b | L=4 | +0.3 |\n\n| method | other |\n|---|---|\n| gbv K=1 | 9 |\n")
     assert refresh_page(page, printed) == 0
 
 
