@@ -24,7 +24,10 @@ def run_py(*args: str, env: dict | None = None, background: bool = False, stderr
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if background:
         errors = stderr.open("w") if stderr else subprocess.DEVNULL
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        # SIGINT at its default, so Python turns it into KeyboardInterrupt even when these tests run in a shell's
+        # background job, which starts with SIGINT ignored (and an ignored signal stays ignored across exec)
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
