@@ -167,6 +167,20 @@ def test_killed_job_keeps_its_records_and_resumes(batch_size, tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["metrics"]["overall"]["prompts"] == 6
 
 
+def test_a_job_resumed_on_another_machine_says_its_times_are_mixed(tmp_path):
+    assert run_py("limit=1", f"hydra.run.dir={tmp_path}").returncode == 0
+    predictions = tmp_path / "predictions.jsonl"
+    record = json.loads(predictions.read_text())
+    here = record["machine"]
+    assert here == json.loads((tmp_path / "summary.json").read_text())["machine"]
+    predictions.write_text(json.dumps({**record, "machine": "another CPU"}) + "\n")  # as if decoded elsewhere
+    done = run_py("limit=2", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    machines = json.loads((tmp_path / "summary.json").read_text())["machine"]
+    assert machines.startswith("mixed: ")
+    assert set(machines.removeprefix("mixed: ").split(" | ")) == {here, "another CPU"}
+
+
 @pytest.mark.parametrize("signum, sweep", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
 def test_a_signal_stops_a_run_promptly_keeping_its_records(signum, sweep, tmp_path):
     """SIGTERM (a cluster's preemption) and SIGINT (Ctrl-C) end a run or a sweep within 10 s with a non-zero

@@ -52,6 +52,7 @@ class SpeculativeEvaluation(LightningModule):
         self.engine = SpeculativeEngine(self.target, drafter, hp.verifier, hp.num_drafts, hp.block_length,
                                         self.sampling)
         self.ar_engine = SpeculativeEngine(self.target, None, "ar", sampling=self.sampling) if hp.baseline else None
+        self.machine = machine(str(self.target.model.dtype).removeprefix("torch."))  # where this run's times are
         self.recorded = records.read_records(self.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.predictions = records.open_for_append(records.predictions_file(self.output_dir, self.global_rank))
@@ -85,7 +86,7 @@ class SpeculativeEvaluation(LightningModule):
         def write(index: int, out: DecodeRecord) -> None:
             prompt = prompts[index]
             record = {**prompt, "output": self.target.tokenizer.decode(out.output_ids, skip_special_tokens=True),
-                      **record_fields(out)}
+                      **record_fields(out), "machine": self.machine}
             if baseline is not None:
                 record["baseline"] = {"new_tokens": baseline[index].new_tokens,
                                       "total_time": baseline[index].total_time}
@@ -125,7 +126,7 @@ class SpeculativeEvaluation(LightningModule):
         self.summary = {**self.job(self.trainer.datamodule), "model": self.target.name,
                         "drafter": self.drafter.name if self.drafter else None,
                         "world_size": self.trainer.world_size,
-                        "machine": machine(str(self.target.model.dtype).removeprefix("torch.")),  # of the times
+                        "machine": self.machines(),
                         "metrics": metrics}
         # Already reduced, so every rank logs the same values; sync_dist (a mean of equal values) is Lightning's
         # documented way to log epoch-level values under DDP.
@@ -133,6 +134,14 @@ class SpeculativeEvaluation(LightningModule):
         if self.trainer.is_global_zero:
             records.merge_rank_files(self.output_dir)
             records.write_summary(self.output_dir, self.summary)
+
+    def machines(self) -> str:
+        """Where the job's times were measured: this run's machine, or, when a rerun on another machine resumed the
+        job, "mixed: " and each of them (its tokens/s and speedups then mix machines). Records written before records
+        named their machine count as this run's."""
+        found = sorted({record["machine"] for record in self.recorded.values() if "machine" in record}
+                       | {self.machine})
+        return found[0] if len(found) == 1 else "mixed: " + " | ".join(found)
 
     def add_speed_limits(self, metrics: dict) -> None:
         """Each speedup beside its cost-model limit and their ratio, the share (decoding/costs.py): bare forward
