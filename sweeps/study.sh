@@ -35,7 +35,8 @@ temperature() {  # gbv and spectr at K = 3, L = 8 on the ablation's 40 prompts; 
 }
 
 speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = 4, T = 0.4, 2 prompts per dataset;
-           # each summary holds its machine and the cost-model limit of its speedup (bare passes timed after decoding)
+           # each summary holds its machine and the cost-model limit of its speedup (bare passes timed after decoding);
+           # a job resumed on another machine says "mixed: ..." there: on a new machine, delete $OUT/speed and rerun
   local SPEED="dataset=all limit=2 max_new_tokens=128 block_length=4 temperature=0.4 batch_size=1 baseline=true"
   $PY $RUN -m verifier=$K1 num_drafts=1 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k1
   $PY $RUN -m verifier=$K3 num_drafts=3 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k3
