@@ -45,15 +45,34 @@ WIDTH = 160  # of the console: wide tables, also when piped to a file
 
 # --- methods: prompt, seed -> DecodeRecord ---------------------------------------------------------------------------
 
+class Totals:
+    """Sums over a run's records (`self.records`), and what the tables derive from them."""
+    records: list[DecodeRecord]
+    prefill_calls = 0  # target calls that were prefills (only `ar` emits a token at its prefill)
+
+    def total(self, key: str) -> float:
+        return sum(getattr(record, key) for record in self.records)
+
+    @property
+    def block_efficiency(self) -> float:
+        return self.total("new_tokens") / self.total("target_calls")
+
+    @property
+    def decode_calls(self) -> float:
+        return self.total("target_calls") - self.prefill_calls
+
+    @property
+    def trie_positions(self) -> int:
+        """Positions of the mean target pass after the prefill (1 + distinct trie nodes), rounded."""
+        return max(1, round(self.total("target_positions") / self.decode_calls))
+
+
 @dataclass
-class Row:
+class Row(Totals):
     method: str
     temperature: float
     records: list[DecodeRecord]
     num_drafts: int = 0  # 0: not a gbv row, no cost-model limit
-
-    def total(self, key: str) -> float:
-        return sum(getattr(record, key) for record in self.records)
 
     def per_call_ms(self, key: str) -> float:
         return 1e3 * self.total(key) / self.total("target_calls")
@@ -63,27 +82,14 @@ class Row:
         return self.total("new_tokens") / self.total("total_time")
 
     @property
-    def block_efficiency(self) -> float:
-        return self.total("new_tokens") / self.total("target_calls")
-
-    @property
     def prefill_calls(self) -> int:
         """Target calls that were prefills: `ar`'s first call per prompt reads the prompt and emits a token."""
         return len(self.records) if self.num_drafts == 0 else 0
 
     @property
-    def decode_calls(self) -> float:
-        return self.total("target_calls") - self.prefill_calls
-
-    @property
     def decode_tokens_per_second(self) -> float:
         """Tokens/s after the prefill (`ar`'s prefill call emits the first token, counted with the prefill)."""
         return (self.total("new_tokens") - self.prefill_calls) / (self.total("total_time") - self.total("prefill_time"))
-
-    @property
-    def trie_positions(self) -> int:
-        """Positions of the mean target pass after the prefill (1 + distinct trie nodes), rounded."""
-        return max(1, round(self.total("target_positions") / self.decode_calls))
 
 
 def load_pair(use_tiny: bool, dtype: str, drafter_quantize: str | None) -> tuple[LoadedModel, LoadedModel]:
@@ -168,7 +174,7 @@ def limit(costs: BareCosts, row: Row, block_length: int) -> float:
 # --- batch throughput ----------------------------------------------------------------------------------------------
 
 @dataclass
-class BatchRun:
+class BatchRun(Totals):
     batch_size: int
     chunks: list[list[DecodeRecord]]  # the records of each generate_batch call
     wall: float
@@ -176,9 +182,6 @@ class BatchRun:
     @property
     def records(self) -> list[DecodeRecord]:
         return [record for chunk in self.chunks for record in chunk]
-
-    def total(self, key: str) -> float:
-        return sum(getattr(record, key) for record in self.records)
 
     @property
     def tokens_per_second(self) -> float:
@@ -197,8 +200,8 @@ class BatchRun:
 
     def bare_tokens_per_second(self, costs: BareCosts, block_length: int) -> float:
         """Tokens/s if every pass cost only its bare forwards over the rows it held (at the run's mean trie size)."""
-        trie = max(1, round(self.total("target_positions") / self.total("target_calls")))
-        seconds = sum(costs.iteration(trie, BATCH_DRAFTS, block_length, rows) for rows in self.rows_per_pass())
+        seconds = sum(costs.iteration(self.trie_positions, BATCH_DRAFTS, block_length, rows)
+                      for rows in self.rows_per_pass())
         return self.total("new_tokens") / seconds
 
 
@@ -304,7 +307,7 @@ def report_batch(runs: list[BatchRun], costs: BareCosts, block_length: int, titl
         table.add_row(str(run.batch_size), str(int(run.total("new_tokens"))), f"{run.wall:.2f}",
                       f"{run.tokens_per_second:.2f}", f"{run.tokens_per_second / base.tokens_per_second:.2f}x",
                       f"{after_prefill:.2f}x", f"{limit:.2f}x", f"{after_prefill / limit:.0%}",
-                      f"{sum(rows) / len(rows):.1f}", f"{run.total('new_tokens') / run.total('target_calls'):.2f}",
+                      f"{sum(rows) / len(rows):.1f}", f"{run.block_efficiency:.2f}",
                       *[f"{run.total(key) / run.wall:.0%}" for key in ("draft_time", "target_time", "verify_time")],
                       yes(same_outputs(run.records, base.records)))
     console.print(table)
