@@ -21,6 +21,7 @@ from spectr_gbv.experiment import records
 from spectr_gbv.experiment.metrics import COUNTERS, TIMES, aggregate, counters, scalars
 
 COST_REPEATS = 5  # timed bare forwards per model and width for the speed limit (their median counts)
+UNRECORDED_MACHINE = "machine not recorded"  # of records written before records named their machine
 
 
 class SpeculativeEvaluation(LightningModule):
@@ -138,8 +139,8 @@ class SpeculativeEvaluation(LightningModule):
     def machines(self) -> str:
         """Where the job's times were measured: this run's machine, or, when a rerun on another machine resumed the
         job, "mixed: " and each of them (its tokens/s and speedups then mix machines). Records written before records
-        named their machine count as this run's."""
-        found = sorted({record["machine"] for record in self.recorded.values() if "machine" in record}
+        named their machine may come from any machine: they count as one of their own, UNRECORDED_MACHINE."""
+        found = sorted({record.get("machine", UNRECORDED_MACHINE) for record in self.recorded.values()}
                        | {self.machine})
         return found[0] if len(found) == 1 else "mixed: " + " | ".join(found)
 
