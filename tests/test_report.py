@@ -107,6 +107,14 @@ def test_a_page_quoting_the_report_gets_its_rows_refreshed_and_keeps_its_prose(t
     assert refresh_page(page, printed) == 0
 
 
+def test_a_paired_row_is_refreshed_only_by_the_same_setting(tmp_path):
+    printed = "| paired | setting | overall |\n|---|---|---|\n| a - b | L=4 | +0.3 |\n| c - d | L=4 | +0.1 |\n"
+    page = tmp_path / "results.md"
+    quoted = "| paired | setting | overall |\n|---|---|---|\n| a - b | L=8 | +0.2 |\n"  # another part's setting
+    page.write_text(quoted)
+    assert refresh_page(page, printed) == 0 and page.read_text() == quoted
+
+
 def test_report_of_an_empty_folder_is_one_error(tmp_path):
     with pytest.raises(SystemExit, match="no summary.json or real audit below it"):
         main([str(tmp_path)])

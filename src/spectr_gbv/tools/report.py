@@ -361,11 +361,12 @@ def markdown_tables(lines: list[str]) -> list[tuple[int, int]]:
     return spans
 
 
-def key_width(rows: list[str]) -> int:
-    """Cells that name a row across runs: the first, or the first two where the first repeats (a paired
-    difference at several settings, an audit's verifier at several K)."""
+def key_width(header: str, rows: list[str]) -> int:
+    """Cells that name a row across runs: the first, or the first two where the second is a setting (a paired
+    difference is the same only at the same block length and temperature) or the first repeats (an audit's
+    verifier at several K)."""
     firsts = [row.split(" | ")[0] for row in rows]
-    return 1 if len(set(firsts)) == len(firsts) else 2
+    return 2 if header.split(" | ")[1] == "setting" or len(set(firsts)) < len(firsts) else 1
 
 
 def row_key(row: str, width: int) -> tuple[str, ...]:
@@ -383,7 +384,7 @@ def refresh_page(page: Path, markdown: str) -> int:
         quoted = lines[first + 2:end]  # below the header and its separator
         for start, stop in markdown_tables(printed):
             rows = printed[start + 2:stop]
-            width = key_width(rows)
+            width = key_width(printed[start], rows)
             by_key = {row_key(row, width): row for row in rows}
             keys = [row_key(row, width) for row in quoted]
             if printed[start] == lines[first] and all(key in by_key for key in keys):
