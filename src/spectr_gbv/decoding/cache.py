@@ -57,15 +57,20 @@ class SlotCache:
     def append(self, token_lists: list[list[int]]) -> Tensor | None:
         """Feed committed tokens, a list per row (any lengths, right-aligned so each row's last token comes last);
         returns the logits at each row's last token [B, V], None when there was nothing to feed."""
-        width = max(map(len, token_lists))
-        if width == 0:
+        if max(map(len, token_lists)) == 0:
             return None
+        return self.forward(*self.committed_inputs(token_lists), logits_to_keep=1)[:, -1]
+
+    def committed_inputs(self, token_lists: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Tokens, labels and positions [B, width] that feed committed tokens, a list per row, right-aligned behind
+        hidden padding: each row's last token comes last, where the next inputs (draft nodes) can follow it."""
+        width = max(map(len, token_lists))
         device = self.model.device
         pads = torch.tensor([width - len(tokens) for tokens in token_lists], device=device)
         tokens = torch.tensor([[PAD_TOKEN] * (width - len(t)) + list(t) for t in token_lists], device=device)
         label = torch.where(torch.arange(width, device=device) < pads[:, None], HIDDEN, COMMITTED)
         position = (self.lengths[:, None] + torch.arange(width, device=device) - pads[:, None]).clamp_min(0)
-        return self.forward(tokens, label, position, logits_to_keep=1)[:, -1]
+        return tokens, label, position
 
     def attention_mask(self, label: Tensor, position: Tensor, first: Tensor | None) -> Tensor | None:
         """[B, 1, N, slots + N] of 0 (attend) and the dtype's minimum: transformers takes a 4D mask as given, and

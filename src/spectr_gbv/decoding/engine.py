@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spectr_gbv.decoding.cache import COMMITTED, SlotCache
+from spectr_gbv.decoding.cache import SlotCache
 from spectr_gbv.decoding.draft_tree import node_labels, nodes_at, on_path, representatives
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.decoding.sampling import Sampling, warp
@@ -39,12 +39,12 @@ class DecodeRecord:
 
     output_ids: list[int] = field(default_factory=list)  # new tokens only, EOS included when reached
     new_tokens: int = 0
-    target_calls: int = 0  # target passes that emit tokens: one per iteration (ar: per token, prefill included)
+    target_calls: int = 0  # target passes, each emits tokens: one per iteration (ar: per token)
     accepted_lengths: list[int] = field(default_factory=list)  # per iteration, as the verifier decided
     draft_indices: list[int] = field(default_factory=list)  # per iteration, the winning draft
     target_positions: int = 0  # positions the target scored after the prefill: 1 + distinct trie nodes per iteration
-    # total_time = prefill_time (both models reading the prompt; ar: its first call, which emits a token) +
-    # draft_time + target_time + verify_time (the iterations' parts) + bookkeeping
+    # total_time = prefill_time (the first iteration, whose passes read the prompt and which emits prefill_tokens;
+    # ar: its first call) + draft_time + target_time + verify_time (the later iterations' parts) + bookkeeping
     prefill_time: float = 0.0
     draft_time: float = 0.0
     target_time: float = 0.0
@@ -54,6 +54,11 @@ class DecodeRecord:
     @property
     def block_efficiency(self) -> float:
         return self.new_tokens / self.target_calls
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens emitted by the first iteration, whose time is prefill_time."""
+        return min(self.new_tokens, self.accepted_lengths[0] + 1 if self.accepted_lengths else 1)
 
 
 class Stopped(Exception):
@@ -197,16 +202,12 @@ class SpeculativeEngine:
 
     def _speculative(self, rows: Rows) -> None:
         # Invariant between iterations: each cache holds a prefix of every row's committed ids, and the tokens past
-        # it are fed at the next pass. The target's lacks exactly the last one: feeding it as the root of the draft
-        # trie makes the pass return p at the block start. The drafter's lacks the last one or two (it never feeds
-        # the last token it drafts).
+        # it are fed at the next pass, the last of them as the root of the draft trie (its pass returns p at the
+        # block start). The caches start empty: the first iteration reads the prompts in its own passes, as
+        # transformers' assisted generation does, not in passes of their own. Then the target's cache lacks exactly
+        # the last committed token, the drafter's the last one or two (it never feeds the last token it drafts).
         target, drafter = SlotCache(self.target, len(rows)), SlotCache(self.drafter, len(rows))
-        started = time.perf_counter()
-        target.append([ids[:-1] for ids in rows.ids])
-        drafter.append([ids[:-1] for ids in rows.ids])
-        rows.charge("prefill_time", time.perf_counter() - started)
-        rows.charge("total_time", time.perf_counter() - started)
-        state = None
+        state, prefill = None, True
         while rows.going_on():
             started = time.perf_counter()
             target_start, drafter_start = target.size, drafter.size
@@ -220,9 +221,13 @@ class SpeculativeEngine:
             # each row emits its winning draft's accepted tokens, then the recovered or bonus token
             emitted = [path[:n] + [token] for path, n, token in zip(
                 tokens[torch.arange(len(rows)), winner].tolist(), accepted.tolist(), out.next_token.tolist())]
-            rows.charge("verify_time", time.perf_counter() - after_score)
-            rows.charge("draft_time", after_draft - started)
-            rows.charge("target_time", after_score - after_draft)
+            if prefill:  # the iteration that reads the prompts: its time is the prefill's, as `ar`'s first call
+                rows.charge("prefill_time", time.perf_counter() - started)
+            else:
+                rows.charge("verify_time", time.perf_counter() - after_score)
+                rows.charge("draft_time", after_draft - started)
+                rows.charge("target_time", after_score - after_draft)
+            prefill = False
             # Keep the winning path: the target has seen the root and every node, the drafter the pending tokens
             # and the nodes above the last depth. The new token (and, after a full acceptance, the last draft token
             # for the drafter) is fed next time.
@@ -265,17 +270,20 @@ class SpeculativeEngine:
 
     def _score(self, cache: SlotCache, rows: Rows, tokens: Tensor) -> tuple[Tensor, Tensor, list[int]]:
         """Warped target p [B, K, L+1, V] at every prefix of every draft (the last is the bonus distribution), from
-        one pass over each row's root (its last committed token) and the distinct nodes of its trie; the trie's
-        `first` [B, K, L]; and each row's number of positions scored."""
+        one pass over each row's committed tokens the cache lacks (the last of them is the trie's root; the whole
+        prompt at the first iteration) and the distinct nodes of its trie; the trie's `first` [B, K, L]; and each
+        row's number of positions scored after the prompt (the root and the nodes)."""
         B, K, L = tokens.shape
         first = representatives(tokens, L)
         draft, depth, real, slot = nodes_at(first, range(L))
         batch = torch.arange(B, device=tokens.device)[:, None]
-        roots = torch.tensor([ids[-1:] for ids in rows.ids], device=tokens.device)
-        inputs = torch.cat([roots, tokens[batch, draft, depth]], 1)
-        label = torch.cat([torch.full_like(roots, COMMITTED), node_labels(draft, depth, real, L)], 1)
-        position = cache.lengths[:, None] + torch.cat([torch.zeros_like(roots), 1 + depth], 1)
-        probs = self._target_warp(cache.forward(inputs, label, position, first))  # [B, 1 + nodes, V]
+        committed, committed_label, committed_position = cache.committed_inputs(
+            [ids[n:] for ids, n in zip(rows.ids, cache.lengths.tolist())])
+        inputs = torch.cat([committed, tokens[batch, draft, depth]], 1)
+        label = torch.cat([committed_label, node_labels(draft, depth, real, L)], 1)
+        position = torch.cat([committed_position, committed_position[:, -1:] + 1 + depth], 1)
+        logits = cache.forward(inputs, label, position, first, logits_to_keep=1 + depth.shape[1])
+        probs = self._target_warp(logits)  # [B, 1 + nodes, V]: the root, then the nodes
         slots = torch.cat([torch.zeros_like(slot[..., :1]), 1 + slot], -1)  # the root, then k's node at each depth
         return probs[batch[..., None], slots], first, (1 + real.sum(1)).tolist()
 

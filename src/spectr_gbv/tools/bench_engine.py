@@ -48,7 +48,6 @@ WIDTH = 160  # of the console: wide tables, also when piped to a file
 class Totals:
     """Sums over a run's records (`self.records`), and what the tables derive from them."""
     records: list[DecodeRecord]
-    prefill_calls = 0  # target calls that were prefills (only `ar` emits a token at its prefill)
 
     def total(self, key: str) -> float:
         return sum(getattr(record, key) for record in self.records)
@@ -59,12 +58,18 @@ class Totals:
 
     @property
     def decode_calls(self) -> float:
-        return self.total("target_calls") - self.prefill_calls
+        """Target calls after the prefills: every prompt's first call reads it (and emits its first tokens)."""
+        return self.total("target_calls") - len(self.records)
+
+    @property
+    def decode_tokens(self) -> float:
+        """Tokens emitted after the prefills."""
+        return self.total("new_tokens") - self.total("prefill_tokens")
 
     @property
     def trie_positions(self) -> int:
-        """Positions of the mean target pass after the prefill (1 + distinct trie nodes), rounded."""
-        return max(1, round(self.total("target_positions") / self.decode_calls))
+        """Positions of the mean target pass besides the prompt (1 + distinct trie nodes), rounded."""
+        return max(1, round(self.total("target_positions") / self.total("target_calls")))
 
 
 @dataclass
@@ -82,14 +87,9 @@ class Row(Totals):
         return self.total("new_tokens") / self.total("total_time")
 
     @property
-    def prefill_calls(self) -> int:
-        """Target calls that were prefills: `ar`'s first call per prompt reads the prompt and emits a token."""
-        return len(self.records) if self.num_drafts == 0 else 0
-
-    @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens/s after the prefill (`ar`'s prefill call emits the first token, counted with the prefill)."""
-        return (self.total("new_tokens") - self.prefill_calls) / (self.total("total_time") - self.total("prefill_time"))
+        """Tokens/s after the prefill (the first iteration, or `ar`'s first call, and the tokens it emits)."""
+        return self.decode_tokens / (self.total("total_time") - self.total("prefill_time"))
 
 
 def load_pair(use_tiny: bool, dtype: str, drafter_quantize: str | None) -> tuple[LoadedModel, LoadedModel]:
@@ -189,8 +189,8 @@ class BatchRun(Totals):
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens/s after the prefills (the speculative path's prefill emits no token)."""
-        return self.total("new_tokens") / (self.wall - self.total("prefill_time"))
+        """Tokens/s after the prefills (each prompt's first iteration and the tokens it emits)."""
+        return self.decode_tokens / (self.wall - self.total("prefill_time"))
 
     def rows_per_pass(self) -> list[int]:
         """The rows of every target pass: a call's rows start together and each leaves after its last iteration,
