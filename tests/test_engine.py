@@ -157,6 +157,22 @@ def test_the_target_scores_each_distinct_trie_node_once(greedy_pair):
         assert record.target_positions == record.target_calls * (1 + 4)
 
 
+def test_the_prompt_costs_no_pass_of_its_own(greedy_pair):
+    """The first iteration reads the prompt in its own passes: one target pass per iteration, L drafter steps."""
+    target, drafter, prompts = greedy_pair
+    engine = SpeculativeEngine(target, drafter, "token", num_drafts=1, block_length=4, sampling=Sampling(0.0))
+    passes = {"target": 0, "drafter": 0}
+    hooks = [loaded.model.register_forward_hook(lambda *_, side=side: passes.update({side: passes[side] + 1}))
+             for side, loaded in (("target", target), ("drafter", drafter))]
+    try:
+        record = engine.generate(prompts[0], MAX_NEW, torch.Generator().manual_seed(0))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert passes == {"target": record.target_calls, "drafter": 4 * record.target_calls}
+    assert record.prefill_tokens == record.accepted_lengths[0] + 1 and record.prefill_time > 0
+
+
 def check_record(record, K, L, max_new_tokens):
     """Every iteration but the last emits accepted + 1 tokens; the last may be cut at EOS or max_new_tokens."""
     assert record.new_tokens == len(record.output_ids) <= max_new_tokens
