@@ -42,7 +42,7 @@ class DecodeRecord:
     target_calls: int = 0  # target passes, each emits tokens: one per iteration (ar: per token)
     accepted_lengths: list[int] = field(default_factory=list)  # per iteration, as the verifier decided
     draft_indices: list[int] = field(default_factory=list)  # per iteration, the winning draft
-    target_positions: int = 0  # positions the target scored after the prefill: 1 + distinct trie nodes per iteration
+    target_positions: int = 0  # positions the target scored besides the prompt: 1 + distinct trie nodes per iteration
     # total_time = prefill_time (the first iteration, whose passes read the prompt and which emits prefill_tokens;
     # ar: its first call) + draft_time + target_time + verify_time (the later iterations' parts) + bookkeeping
     prefill_time: float = 0.0
@@ -207,7 +207,7 @@ class SpeculativeEngine:
         # transformers' assisted generation does, not in passes of their own. Then the target's cache lacks exactly
         # the last committed token, the drafter's the last one or two (it never feeds the last token it drafts).
         target, drafter = SlotCache(self.target, len(rows)), SlotCache(self.drafter, len(rows))
-        state, prefill = None, True
+        state = None
         while rows.going_on():
             started = time.perf_counter()
             target_start, drafter_start = target.size, drafter.size
@@ -221,13 +221,12 @@ class SpeculativeEngine:
             # each row emits its winning draft's accepted tokens, then the recovered or bonus token
             emitted = [path[:n] + [token] for path, n, token in zip(
                 tokens[torch.arange(len(rows)), winner].tolist(), accepted.tolist(), out.next_token.tolist())]
-            if prefill:  # the iteration that reads the prompts: its time is the prefill's, as `ar`'s first call
+            if target_start == 0:  # the iteration that read the prompts (the caches start empty): the prefill
                 rows.charge("prefill_time", time.perf_counter() - started)
             else:
                 rows.charge("verify_time", time.perf_counter() - after_score)
                 rows.charge("draft_time", after_draft - started)
                 rows.charge("target_time", after_score - after_draft)
-            prefill = False
             # Keep the winning path: the target has seen the root and every node, the drafter the pending tokens
             # and the nodes above the last depth. The new token (and, after a full acceptance, the last draft token
             # for the drafter) is fed next time.

@@ -40,7 +40,7 @@ def aggregate(counts: list[float], histogram: list[float]) -> dict:
                                  else float("nan")),
         "acceptance_by_position": [count / iterations for count in at_least[1:]] if iterations else [],
         "accepted_length_histogram": [int(x) for x in histogram],
-        # positions the target scored per iteration after the prefill: 1 + the distinct nodes of the draft trie
+        # positions the target scored per iteration besides the prompt: 1 + the distinct nodes of the draft trie
         "trie_positions": c["target_positions"] / iterations if iterations else float("nan"),
         "tokens_per_s": tokens_per_s,
         **{key: c[key] for key in TIMES},
