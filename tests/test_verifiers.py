@@ -124,6 +124,49 @@ def test_sample_takes_row_draws_from_its_own_generator(shape):
     assert [batch[b:b + 1].tolist() for b in range(len(ROW_SEEDS))] == alone
 
 
+def sample_reference(probs, generator):
+    """sample()'s reference: one float64 CDF over the whole row, inverted (the first token whose cdf exceeds u)."""
+    flat = probs.reshape(-1, probs.shape[-1]).double()
+    cdf = flat.cumsum(-1)
+    u = base.uniforms(probs.shape[:-1], cdf, generator).reshape(-1, 1) * cdf[:, -1:]
+    return base.invert_cdf(cdf, flat, u).reshape(probs.shape[:-1])
+
+
+def sparse_rows(rows=64, V=1000, seed=0):
+    """Unnormalised float32 rows with runs of zeros longer than a block, and mass in the last, partial block."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(rows, V, generator=g) ** 4
+    runs = torch.rand(rows, V // 100, generator=g) < 0.5  # zero whole stretches of 100 tokens
+    weights = weights * ~runs.repeat_interleave(100, 1) * (torch.rand(rows, V, generator=g) > 0.3)
+    weights[:, -1] = torch.rand(rows, generator=g)
+    return weights
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 64, 1000, 4096])
+def test_sample_draws_what_one_whole_cdf_draws(block_size):
+    """The two-level inverse CDF picks the token one CDF over the whole row picks, from the same uniforms."""
+    probs = sparse_rows()
+    for seed in range(20):
+        fast = base.sample(probs, torch.Generator().manual_seed(seed), block=block_size)
+        assert fast.tolist() == sample_reference(probs, torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0])
+def test_sample_at_the_ends_of_the_unit_interval_draws_the_first_and_last_positive_token(u, monkeypatch):
+    """u = 0, and u * total rounded up to the total (u = 1 here), must still land on tokens of positive weight."""
+    probs = sparse_rows()
+    probs[:, :150] = 0
+    probs[:, -3:] = 0
+    rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: rand(*args, **kwargs).fill_(u))
+    positive = (probs > 0).nonzero()
+    token = base.sample(probs, None, block=64)
+    assert (probs.gather(1, token[:, None]) > 0).all()
+    ends = [row[:, 1].min() if u == 0 else row[:, 1].max() for row in positive.split(
+        torch.bincount(positive[:, 0]).tolist())]
+    assert token.tolist() == [int(end) for end in ends]
+
+
 @pytest.mark.parametrize("name", VERIFIERS)
 def test_a_single_generator_still_works_and_a_wrong_count_is_refused(name):
     x, q, p = random_call(B=4, K=drafts_for(name, 3), V=6)

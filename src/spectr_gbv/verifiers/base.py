@@ -110,16 +110,36 @@ def uniforms(shape, like: Tensor, generator: Generators) -> Tensor:
     return torch.stack([torch.rand(shape[1:], generator=g, dtype=like.dtype, device=like.device) for g in generator])
 
 
-def sample(probs: Tensor, generator: Generators) -> Tensor:
-    """One categorical draw per row of probs [..., V] (rows need not be normalised), by inverting the CDF:
-    torch.multinomial costs ~10 ms per row at V = 151,936 on a CPU, this a fraction of a millisecond.
-    With a list of generators, probs[b] takes its prod(probs.shape[1:-1]) draws from generator b."""
-    flat = probs.reshape(-1, probs.shape[-1]).double()
-    cdf = flat.cumsum(-1)
+CDF_BLOCK = 1024  # tokens per block of sample()'s two-level inverse CDF: ~sqrt(V) keeps both levels small
+
+
+def sample(probs: Tensor, generator: Generators, block: int = CDF_BLOCK) -> Tensor:
+    """One categorical draw per row of probs [..., V] (rows need not be normalised) by inverting its float64 CDF in
+    two levels: first the block of `block` tokens where u falls, from the blocks' sums, then the token inside it.
+    Only the sums and one block per row are ever widened to float64: a float64 cumsum over V = 151,936 costs ~2 ms a
+    row on a CPU (torch.multinomial ~10 ms), this ~0.15 ms. The same draw as one CDF over the whole row, up to
+    float64 rounding. With a list of generators, probs[b] takes its prod(probs.shape[1:-1]) draws from generator b."""
+    V = probs.shape[-1]
+    flat, block = probs.reshape(-1, V), min(block, V)
+    whole = V // block * block
+    sums = flat[:, :whole].unflatten(1, (-1, block)).sum(-1, dtype=torch.float64)  # [rows, blocks]
+    if whole < V:
+        sums = torch.cat([sums, flat[:, whole:].sum(-1, keepdim=True, dtype=torch.float64)], 1)
+    cdf = sums.cumsum(-1)
     u = uniforms(probs.shape[:-1], cdf, generator).reshape(-1, 1) * cdf[:, -1:]
-    index = torch.searchsorted(cdf, u, right=True)  # first token whose cdf exceeds u: never a zero-mass token
-    last_positive = flat.shape[-1] - 1 - (flat > 0).flip(-1).long().argmax(-1, keepdim=True)
-    return torch.minimum(index, last_positive).reshape(probs.shape[:-1])  # u rounded up to the total
+    chosen = invert_cdf(cdf, sums, u)
+    columns = chosen * block + torch.arange(block, device=flat.device)
+    inside = flat.gather(1, columns.clamp(max=V - 1)).double().masked_fill_(columns >= V, 0.0)
+    u = u - torch.where(chosen > 0, cdf.gather(1, (chosen - 1).clamp_min(0)), 0.0)  # u's offset into the block
+    return (chosen * block + invert_cdf(inside.cumsum(-1), inside, u)).reshape(probs.shape[:-1])
+
+
+def invert_cdf(cdf: Tensor, weights: Tensor, u: Tensor) -> Tensor:
+    """The first index whose cdf [rows, N] exceeds u [rows, 1], never one of zero weight: u rounded up to the
+    total falls on the last positive weight."""
+    index = torch.searchsorted(cdf, u, right=True)
+    last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).byte().argmax(-1, keepdim=True)
+    return torch.minimum(index, last_positive)
 
 
 def normalise(residual: Tensor, fallback: Tensor) -> Tensor:
