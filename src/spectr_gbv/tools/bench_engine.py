@@ -7,7 +7,7 @@ models), after one line naming the machine (CPU, its bf16 matrix units, threads,
   - sampling (T = 1): `ar` and `gbv` K = 1..max_drafts, each against the cost-model limit of its speedup
     (decoding/costs.py), with the bare passes in one row over a KV cache holding the first prompt, timed in this run;
   - batch throughput: `gbv` K = 3 at T = 1 on N prompts decoded B at a time, B = 1, 2, 4, 8 (those <= N), each
-    against the ratio to B = 1 that bare passes over the rows each pass held allow.
+    against the ratio to B = 1 that bare passes over the rows each pass held allow; every B runs twice, there and back.
 Speedups are ratios to `ar` at the same temperature, measured in this run. Methods run prompt by prompt, in turn, so
 noise from other processes hits all alike. Prompt i always draws from a generator seeded i. Target calls of
 transformers' runs are counted with a forward hook, so their block efficiency is measured as the engine's.
@@ -207,19 +207,21 @@ class BatchRun(Totals):
 
 def batch_throughput(target, drafter, prompts, max_new_tokens, block_length, console) -> list[BatchRun]:
     """All prompts through generate_batch in chunks of B, prompt i always with the generator seeded i: the same
-    draws at every B, so outputs differ across B only by rounding (padding changes the shapes of the matmuls)."""
+    draws at every B, so outputs differ across B only by rounding (padding changes the shapes of the matmuls). Each B
+    runs twice, in the order 1, 2, 4, 8, 8, 4, 2, 1: a steady drift of the machine's speed over the part then weighs
+    on every B alike (B = 1 alone takes minutes, and its speed moved by a third between runs on one machine)."""
     engine = SpeculativeEngine(target, drafter, "gbv", BATCH_DRAFTS, block_length, Sampling(1.0))
-    runs = []
-    for B in [B for B in BATCH_SIZES if B <= len(prompts)]:
-        chunks = []
+    sizes = [B for B in BATCH_SIZES if B <= len(prompts)]
+    runs = {B: BatchRun(B, [], 0.0) for B in sizes}
+    for B in sizes + sizes[::-1]:
         start = time.perf_counter()
         for first in range(0, len(prompts), B):
             chunk = range(first, min(first + B, len(prompts)))
-            chunks.append(engine.generate_batch([prompts[i] for i in chunk], max_new_tokens,
-                                                [torch.Generator().manual_seed(i) for i in chunk]))
-        runs.append(BatchRun(B, chunks, time.perf_counter() - start))
-        console.log(f"batch B={B}: {runs[-1].tokens_per_second:.2f} tokens/s")
-    return runs
+            runs[B].chunks.append(engine.generate_batch([prompts[i] for i in chunk], max_new_tokens,
+                                                        [torch.Generator().manual_seed(i) for i in chunk]))
+        runs[B].wall += time.perf_counter() - start
+        console.log(f"batch B={B}: {runs[B].tokens_per_second:.2f} tokens/s so far")
+    return list(runs.values())
 
 
 # --- tables --------------------------------------------------------------------------------------------------------
@@ -376,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     report_greedy(rows[:4], title, console)
     report_sampling(rows[4:], costs, L, title, console)
     report_costs(rows[4:], costs, L, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
-    report_batch(runs, costs, L, f"{pair}, {len(batch_prompts)} prompts x {n} new tokens\n{about}", console)
+    report_batch(runs, costs, L, f"{pair}, {len(batch_prompts)} prompts x {n} new tokens, twice at each B\n{about}",
+                 console)
 
 
 if __name__ == "__main__":
