@@ -117,7 +117,7 @@ def sample(probs: Tensor, generator: Generators, block: int = CDF_BLOCK) -> Tens
     """One categorical draw per row of probs [..., V] (rows need not be normalised) by inverting its float64 CDF in
     two levels: first the block of `block` tokens where u falls, from the blocks' sums, then the token inside it.
     Only the sums and one block per row are ever widened to float64: a float64 cumsum over V = 151,936 costs 0.7-2 ms
-    a row on this project's CPUs (torch.multinomial ~10 ms), this 0.1-0.3 ms. The same draw as one CDF over the whole
+    a row on this project's CPUs (torch.multinomial ~10 ms), this 0.1-0.4 ms. The same draw as one CDF over the whole
     row, up to float64 rounding (docs/algorithms.md §11). With a list of generators, probs[b] takes its
     prod(probs.shape[1:-1]) draws from generator b."""
     V = probs.shape[-1]
