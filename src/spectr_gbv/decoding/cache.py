@@ -54,16 +54,16 @@ class SlotCache:
         self.lengths = self.lengths + (label == COMMITTED).sum(1)
         return logits
 
-    def append(self, token_lists: list[list[int]]) -> Tensor | None:
-        """Feed committed tokens, a list per row (any lengths, right-aligned so each row's last token comes last);
-        returns the logits at each row's last token [B, V], None when there was nothing to feed."""
-        if max(map(len, token_lists)) == 0:
-            return None
-        return self.forward(*self.committed_inputs(token_lists), logits_to_keep=1)[:, -1]
+    def append(self, ids: list[list[int]]) -> Tensor:
+        """Feed each row's committed tokens the cache lacks (ids: all of the row's committed tokens, at least one
+        lacking); returns the logits at each row's last token [B, V]."""
+        return self.forward(*self.committed_inputs(ids), logits_to_keep=1)[:, -1]
 
-    def committed_inputs(self, token_lists: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
-        """Tokens, labels and positions [B, width] that feed committed tokens, a list per row, right-aligned behind
-        hidden padding: each row's last token comes last, where the next inputs (draft nodes) can follow it."""
+    def committed_inputs(self, ids: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Tokens, labels and positions [B, width] that feed each row's committed tokens the cache lacks (ids: all
+        of the row's committed tokens), right-aligned behind hidden padding: each row's last token comes last, where
+        the next inputs (draft nodes) can follow it."""
+        token_lists = [row[n:] for row, n in zip(ids, self.lengths.tolist())]
         width = max(map(len, token_lists))
         device = self.model.device
         pads = torch.tensor([width - len(tokens) for tokens in token_lists], device=device)

@@ -183,22 +183,19 @@ class SpeculativeEngine:
 
     def _autoregressive(self, rows: Rows) -> None:
         cache = SlotCache(self.target, len(rows))
-        pending = rows.ids  # tokens the target has not seen yet: the prompts, then each sampled token
-        prefill = True
         while rows.going_on():
             started = time.perf_counter()
-            tokens = sample(self._target_warp(cache.append(pending)), rows.generators).tolist()
+            prefill = cache.size == 0  # the first call reads the prompts (the cache starts empty)
+            tokens = sample(self._target_warp(cache.append(rows.ids)), rows.generators).tolist()
             for key in ("prefill_time" if prefill else "target_time", "total_time"):
                 rows.charge(key, time.perf_counter() - started)
             rows.count_iteration([0 if prefill else 1] * len(rows))
-            prefill = False
             going = rows.emit([[token] for token in tokens])
             if not rows:
                 return
             if going is not None:
                 cache.select_rows(going.to(cache.lengths.device))
             cache.compact()
-            pending = [ids[-1:] for ids in rows.ids]
 
     def _speculative(self, rows: Rows) -> None:
         # Invariant between iterations: each cache holds a prefix of every row's committed ids, and the tokens past
@@ -251,8 +248,7 @@ class SpeculativeEngine:
         The first token's law depends on committed tokens only: one query per row gives it to all K drafts; from
         then on each step feeds the distinct nodes of the depth drafted last."""
         B, K, L = len(rows), self.num_drafts, self.block_length
-        pending = [ids[n:] for ids, n in zip(rows.ids, cache.lengths.tolist())]
-        q = self._draft_warp(cache.append(pending))[:, None].expand(B, K, -1)
+        q = self._draft_warp(cache.append(rows.ids))[:, None].expand(B, K, -1)
         drafted, probs = [sample(q, rows.generators)], [q]
         batch = torch.arange(B, device=q.device)[:, None]
         for depth in range(1, L):
@@ -276,8 +272,7 @@ class SpeculativeEngine:
         first = representatives(tokens, L)
         draft, depth, real, slot = nodes_at(first, range(L))
         batch = torch.arange(B, device=tokens.device)[:, None]
-        committed, committed_label, committed_position = cache.committed_inputs(
-            [ids[n:] for ids, n in zip(rows.ids, cache.lengths.tolist())])
+        committed, committed_label, committed_position = cache.committed_inputs(rows.ids)
         inputs = torch.cat([committed, tokens[batch, draft, depth]], 1)
         label = torch.cat([committed_label, node_labels(draft, depth, real, L)], 1)
         position = torch.cat([committed_position, committed_position[:, -1:] + 1 + depth], 1)
