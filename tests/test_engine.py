@@ -2,6 +2,7 @@
 first tokens, KV caches that equal a fresh prefill, and the per-sequence record."""
 
 import collections
+import warnings
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import transformers
 from scipy.stats import chisquare
 from transformers import DynamicCache
 
+from spectr_gbv.decoding import costs
 from spectr_gbv.decoding.cache import COMMITTED
 from spectr_gbv.decoding.engine import SpeculativeEngine
 from spectr_gbv.decoding.models import tiny
@@ -422,3 +424,16 @@ def test_bad_engine_arguments_are_refused(greedy_pair):
         SpeculativeEngine(sliding, None, "ar").generate(prompts[0], 2, torch.Generator())
     with pytest.warns(UserWarning, match="draft_temperature"):  # K greedy drafts would all be the same
         SpeculativeEngine(target, drafter, "gbv", num_drafts=2, sampling=Sampling(temperature=0.0))
+
+
+@pytest.mark.parametrize("flags, warned", [(set(), True), ({"avx512_bf16"}, False), ({"amx_tile", "amx_bf16"}, False),
+                                           (None, False)])
+def test_bfloat16_without_the_cpus_bfloat16_units_is_flagged(monkeypatch, flags, warned):
+    """Only where the CPU is known to lack AMX-BF16 and AVX512-BF16 (None: no /proc/cpuinfo), and only in bfloat16."""
+    monkeypatch.setattr(costs, "cpu_flags", lambda: flags)
+    for dtype, expected in [("bfloat16", warned), ("float32", False)]:
+        model = tiny(seed=0, dtype=dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            SpeculativeEngine(model, model, "token", sampling=Sampling(temperature=0.0))
+        assert any("float32 can be faster" in str(warning.message) for warning in caught) == expected

@@ -6,7 +6,8 @@ the speedup over `ar` if each iteration cost only its bare passes: t_ar a bare t
 t_target(n) of the n positions the target scores per iteration (1 + the distinct trie nodes), t_draft(K) a bare
 drafter forward of K positions (each drafter step feeds at most K). The share speedup / limit is what the engine keeps
 of what its passes alone allow. Over B prompts per pass the same bare passes over B rows bound the throughput of a
-batch (`make bench`). Timings hold only for the machine they were measured on: `machine` names it.
+batch (`make bench`). Timings hold only for the machine they were measured on: `machine` names it, and
+`emulated_bfloat16` tells the engine when bfloat16 runs on a CPU without its units.
 """
 import os
 import platform
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from spectr_gbv.decoding.models import LoadedModel
 
@@ -67,13 +68,24 @@ class BareCosts:
 
 
 def machine(dtype: str) -> str:
-    """What the numbers were measured on. On CPUs bfloat16 matmuls are fast only with AMX or AVX512-BF16; without
-    them (e.g. AMD EPYC before Zen 4) they are emulated and float32 can be faster."""
+    """What the numbers were measured on: the CPU, its bfloat16 units, threads, torch and dtype."""
+    units = ", ".join(f"{name}: {value}" for name, value in bfloat16_units().items())
+    return (f"{cpu_name()}, {units}, {torch.get_num_threads()} torch threads of {os.cpu_count()} CPUs, "
+            f"torch {torch.__version__}, {dtype}")
+
+
+def bfloat16_units() -> dict[str, str]:
+    """yes, no or unknown (no /proc/cpuinfo) for each CPU unit that runs bfloat16 matmuls at speed."""
     flags = cpu_flags()
-    has = {name: "unknown" if flags is None else ("yes" if set(needed) <= flags else "no")
-           for name, needed in [("AMX-BF16", ["amx_tile", "amx_bf16"]), ("AVX512-BF16", ["avx512_bf16"])]}
-    return (f"{cpu_name()}, " + ", ".join(f"{name}: {value}" for name, value in has.items())
-            + f", {torch.get_num_threads()} torch threads of {os.cpu_count()} CPUs, torch {torch.__version__}, {dtype}")
+    return {name: "unknown" if flags is None else ("yes" if set(needed) <= flags else "no")
+            for name, needed in [("AMX-BF16", ["amx_tile", "amx_bf16"]), ("AVX512-BF16", ["avx512_bf16"])]}
+
+
+def emulated_bfloat16(model: PreTrainedModel) -> bool:
+    """True for a bfloat16 model on a CPU known to lack both units (e.g. AMD EPYC before Zen 4): there its matmuls
+    are emulated at the same FLOP rate whatever their rows, so a pass over n positions or rows costs about n passes
+    over one, and float32 can be faster (README, Engine: the AMD EPYC with AVX2 only)."""
+    return model.device.type == "cpu" and model.dtype == torch.bfloat16 and set(bfloat16_units().values()) == {"no"}
 
 
 def cpu_name() -> str:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from spectr_gbv.decoding.cache import SlotCache
+from spectr_gbv.decoding.costs import emulated_bfloat16
 from spectr_gbv.decoding.draft_tree import node_labels, nodes_at, on_path, representatives
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.decoding.sampling import Sampling, warp
@@ -155,6 +156,12 @@ class SpeculativeEngine:
         if self.verifier is not None and num_drafts > 1 and sampling.drafter_temperature == 0:
             warnings.warn(f"num_drafts={num_drafts} with a greedy drafter makes all drafts identical; "
                           "set sampling.draft_temperature > 0")
+        for role, loaded in (("target", target), ("drafter", drafter)):
+            if loaded is not None and emulated_bfloat16(loaded.model):
+                warnings.warn(f"the {role} runs in bfloat16 on a CPU without AMX-BF16 or AVX512-BF16, where "
+                              "bfloat16 matmuls are emulated: a pass over n positions or rows costs about n passes "
+                              "over one, so drafts and batches pay little; float32 can be faster "
+                              "(model.dtype=float32 drafter.dtype=float32; README, Engine)")
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.num_drafts, self.block_length = num_drafts, block_length
         self.eos_ids = eos_ids(target)
