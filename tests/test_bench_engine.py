@@ -38,14 +38,17 @@ def test_a_batch_pass_holds_the_rows_still_decoding():
     assert BatchRun(3, chunks, wall=1.0).rows_per_pass() == [3, 2, 1, 2]
 
 
-def test_an_int8_drafter_is_named_with_the_machine(capsys, restore_threads):
+@pytest.mark.parametrize("flag, named", [(["--drafter-quantize", "int8"], "float32, drafter int8"),
+                                         (["--linear-kernel", "onednn"], "float32, linear layers on onednn")])
+def test_other_linear_layers_are_named_with_the_machine(flag, named, capsys, restore_threads):
     main(["--tiny", "--prompts", "1", "--batch-prompts", "1", "--max-new-tokens", "4", "--block-length", "2",
-          "--max-drafts", "1", "--repeats", "1", "--drafter-quantize", "int8"])
-    assert capsys.readouterr().out.splitlines()[0].endswith("float32, drafter int8")
+          "--max-drafts", "1", "--repeats", "1", *flag])
+    assert capsys.readouterr().out.splitlines()[0].endswith(named)
 
 
 @pytest.mark.parametrize("flag", [["--max-new-tokens", "0"], ["--block-length", "-1"], ["--repeats", "0"],
-                                  ["--dtype", "float16"], ["--batch-prompts", "0"], ["--prompts", "99"]])
+                                  ["--dtype", "float16"], ["--batch-prompts", "0"], ["--prompts", "99"],
+                                  ["--dtype", "bfloat16", "--linear-kernel", "onednn"]])
 def test_bad_flag_values_exit_nonzero(flag, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--tiny", *flag])

@@ -108,6 +108,8 @@ def test_wandb_sweep_is_the_hydra_preset(make_cfg, capsys):
     (["model=hf"], "model.path=???: required"),
     (["drafter.quantize=int4"], "drafter.quantize=int4: choose null (the weights as loaded) or int8"),
     (["model.quantize=int8", "model.dtype=float64"], "model.quantize=int8: needs device cpu and dtype float32"),
+    (["drafter.linear_kernel=blas"], "drafter.linear_kernel=blas: choose null (torch's own matmul) or onednn"),
+    (["model.linear_kernel=onednn", "model.dtype=float64"], "model.linear_kernel=onednn: needs dtype float32"),
 ])
 def test_bad_knobs_are_refused(make_cfg, overrides, message):
     with pytest.raises(ConfigError) as error:

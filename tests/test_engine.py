@@ -125,9 +125,12 @@ def test_lossless_verifiers_emit_the_greedy_path(greedy_pair, greedy_reference, 
 
 
 @pytest.mark.parametrize("name, K", [("token", 1), ("gbv", 3)])
-def test_an_int8_drafter_keeps_the_target_greedy_path(name, K):
-    """A drafter with int8 weights is just another drafter: float32 target, greedy path unchanged."""
-    target, drafter = tiny(seed=0), tiny(seed=0, perturb=0.2, quantize="int8")
+@pytest.mark.parametrize("target_kernel, drafter_linear", [(None, dict(quantize="int8")),
+                                                           ("onednn", dict(linear_kernel="onednn"))])
+def test_other_linear_layers_keep_the_target_greedy_path(name, K, target_kernel, drafter_linear):
+    """An int8 drafter is just another drafter; a target on oneDNN is the same float32 target, whose greedy path
+    transformers' generate() gives on the same model."""
+    target, drafter = tiny(seed=0, linear_kernel=target_kernel), tiny(seed=0, perturb=0.2, **drafter_linear)
     prompts = [target.encode_prompt(text) for text in PROMPTS]
     expected = [hf_greedy(target, prompt, MAX_NEW) for prompt in prompts]
     sampling = Sampling(temperature=0.0, draft_temperature=1.0 if K > 1 else None)

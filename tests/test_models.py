@@ -6,7 +6,8 @@ import torch
 import transformers
 
 from spectr_gbv.decoding import models
-from spectr_gbv.decoding.models import Int8Linear, LoadedModel, check_same_tokenizer, packaged, pretrained, tiny
+from spectr_gbv.decoding.models import (Int8Linear, LoadedModel, OneDNNLinear, check_same_tokenizer, packaged,
+                                       pretrained, tiny)
 from spectr_gbv.errors import ConfigError
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "1 + 1 = ", "Once upon a time"]
@@ -123,11 +124,32 @@ def test_an_int8_drafter_keeps_its_laws_close():
     assert 0 < distance.max() < 0.1  # total variation per position: changed, a little
 
 
+# --- float32 linear layers on oneDNN --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_onednn_linear_is_the_float32_matmul(bias):
+    linear = torch.nn.Linear(64, 40, bias=bias)
+    x = torch.randn(2, 5, 64)[:, 1:]  # a strided view, as a model's slices are
+    torch.testing.assert_close(OneDNNLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_onednn_model_computes_the_same_laws():
+    """Every linear layer replaced, the same float32 logits up to summation order."""
+    model, onednn = tiny(seed=0), tiny(seed=0, linear_kernel="onednn")
+    assert isinstance(onednn.model.lm_head, OneDNNLinear) and not any(
+        isinstance(module, torch.nn.Linear) for module in onednn.model.modules())
+    ids = prompt_ids(model, " ".join(PROMPTS))
+    torch.testing.assert_close(logits(onednn, ids), logits(model, ids), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(quantize="int4"), "quantize=int4: choose null"),
     (dict(quantize="int8", dtype="float64"), "quantize=int8: needs device cpu and dtype float32 or bfloat16"),
+    (dict(linear_kernel="mkl"), "linear_kernel=mkl: choose null"),
+    (dict(linear_kernel="onednn", dtype="bfloat16"), "linear_kernel=onednn: needs dtype float32 \\(here"),
+    (dict(linear_kernel="onednn", quantize="int8"), "linear_kernel=onednn: needs quantize null \\(here"),
 ])
-def test_bad_quantize_settings_are_refused(kwargs, message):
+def test_bad_linear_layer_settings_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         tiny(**kwargs)
 

@@ -55,10 +55,11 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2" or "org/name"
 
 
 def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file: str | None = None,
-               quantize: str | None = None) -> LoadedModel:
+               quantize: str | None = None, linear_kernel: str | None = None) -> LoadedModel:
     """Load a local folder (optionally with gguf_file inside it), a path to a .gguf file, or a hub id; quantize="int8"
-    stores its linear layers' weights in int8 (see Int8Linear)."""
-    check_quantize("quantize", quantize, dtype, device)
+    stores its linear layers' weights in int8 (see Int8Linear), linear_kernel="onednn" computes them on oneDNN (see
+    OneDNNLinear)."""
+    check_linear_layers("", quantize, linear_kernel, dtype, device)
     local = Path(path).expanduser()
     if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
         local, gguf_file = local.parent, local.name
@@ -86,21 +87,33 @@ def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file
                                "where the hub is reachable") from error
     tokenizer = transformers.AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
     name = Path(gguf_file).stem if gguf_file else Path(path).name
-    return LoadedModel(model=quantized(model.eval(), quantize), tokenizer=tokenizer, name=name)
+    return LoadedModel(model=with_linear_layers(model.eval(), quantize, linear_kernel), tokenizer=tokenizer, name=name)
 
 
-# --- int8 weights -----------------------------------------------------------------------------------------------------
+# --- the linear layers: int8 weights, or float32 on oneDNN ------------------------------------------------------------
 
 QUANTIZE = {None: "the weights as loaded", "int8": "int8 linear weights, one scale per output channel (CPU)"}
+LINEAR_KERNELS = {None: "torch's own matmul", "onednn": "oneDNN with each weight reordered once (CPU, float32)"}
 
 
-def check_quantize(key: str, quantize: str | None, dtype: str, device: str) -> None:
-    """The one check of the quantize setting (the run's config check calls it with the model's key)."""
+def check_linear_layers(prefix: str, quantize: str | None, linear_kernel: str | None, dtype: str, device: str) -> None:
+    """The one check of the quantize and linear_kernel settings (the run's config check calls it with the model's
+    key as prefix, "model." or "drafter.")."""
     if quantize not in QUANTIZE:
-        raise ConfigError(key, quantize, "choose null (the weights as loaded) or int8")
+        raise ConfigError(f"{prefix}quantize", quantize, "choose null (the weights as loaded) or int8")
     if quantize == "int8" and (device != "cpu" or dtype not in ("float32", "bfloat16")):
-        raise ConfigError(key, quantize, f"needs device cpu and dtype float32 or bfloat16 (torch's int8 weight "
-                                         f"kernel), not {device} and {dtype}; use null")
+        raise ConfigError(f"{prefix}quantize", quantize, f"needs device cpu and dtype float32 or bfloat16 (torch's "
+                                                         f"int8 weight kernel), not {device} and {dtype}; use null")
+    if linear_kernel not in LINEAR_KERNELS:
+        raise ConfigError(f"{prefix}linear_kernel", linear_kernel, "choose null (torch's own matmul) or onednn")
+    if linear_kernel == "onednn":
+        needs = {"device cpu": device == "cpu", "dtype float32": dtype == "float32", "quantize null": quantize is None,
+                 "a torch built with oneDNN": torch.backends.mkldnn.is_available()}
+        unmet = [need for need, met in needs.items() if not met]
+        if unmet:
+            here = f"device {device}, dtype {dtype}, quantize {quantize or 'null'}"
+            raise ConfigError(f"{prefix}linear_kernel", linear_kernel,
+                              f"needs {', '.join(unmet)} (here {here}); use null")
 
 
 class Int8Linear(torch.nn.Module):
@@ -123,13 +136,31 @@ class Int8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantized(model: transformers.PreTrainedModel, quantize: str | None) -> transformers.PreTrainedModel:
-    """The model with every torch.nn.Linear (the output layer included) replaced as `quantize` says."""
-    if quantize == "int8":
+class OneDNNLinear(torch.nn.Module):
+    """A float32 linear layer computed by oneDNN from a weight reordered once into oneDNN's layout (the op torch's
+    compiler uses for packed CPU linears). torch's own float32 matmul on a CPU is MKL's sgemm, which on some CPUs is
+    slow for the few rows of a decoding step: on an AVX2-only AMD EPYC a [8960 x 1536] weight took 8.8 ms for 5 rows
+    against 2.7 for one, and 2.0 ms here (README, Models). The same float32 math, summed in another order."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
+
+
+def with_linear_layers(model: transformers.PreTrainedModel, quantize: str | None,
+                       linear_kernel: str | None) -> transformers.PreTrainedModel:
+    """The model with every torch.nn.Linear (the output layer included) replaced as `quantize` or `linear_kernel`
+    says (check_linear_layers allows at most one of them)."""
+    layer = Int8Linear if quantize == "int8" else OneDNNLinear if linear_kernel == "onednn" else None
+    if layer is not None:
         for module in list(model.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, torch.nn.Linear):
-                    setattr(module, name, Int8Linear(child))
+                    setattr(module, name, layer(child))
     return model
 
 
@@ -181,9 +212,10 @@ PACKAGED = {
 DEFAULT_PREPARE = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 
 
-def packaged(name: str, dtype: str = "bfloat16", device: str = "cpu", quantize: str | None = None) -> LoadedModel:
+def packaged(name: str, dtype: str = "bfloat16", device: str = "cpu", quantize: str | None = None,
+             linear_kernel: str | None = None) -> LoadedModel:
     """A packaged real model, loaded from its bfloat16 copy in the cache (made on first use)."""
-    loaded = pretrained(str(prepare(name)), dtype, device, quantize=quantize)
+    loaded = pretrained(str(prepare(name)), dtype, device, quantize=quantize, linear_kernel=linear_kernel)
     loaded.name = name
     return loaded
 
@@ -267,7 +299,8 @@ def convert_to_bfloat16(gguf: Path, converted: Path) -> None:
 # --- tiny random models for tests --------------------------------------------------------------------------------
 
 def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidden_size: int = 64, perturb: float = 0.0,
-         dtype: str = "float32", device: str = "cpu", quantize: str | None = None) -> LoadedModel:
+         dtype: str = "float32", device: str = "cpu", quantize: str | None = None,
+         linear_kernel: str | None = None) -> LoadedModel:
     """A tiny random causal LM; tiny(seed=s, perturb=x) is the target tiny(seed=s) with seeded noise, a drafter.
 
     vocab_size=None uses the whole byte-level tokenizer (384 ids); a small vocab_size (>= 2, so that pad=0 and
@@ -283,7 +316,7 @@ def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidd
         raise ValueError(f"num_layers={num_layers} is not allowed; use at least 1")
     if perturb < 0:
         raise ValueError(f"perturb={perturb} is not allowed; use a relative noise scale >= 0")
-    check_quantize("quantize", quantize, dtype, device)
+    check_linear_layers("", quantize, linear_kernel, dtype, device)
     # Llama, not Qwen2: for model_type qwen2 AutoTokenizer ignores the saved tokenizer class, so a saved tiny
     # model would reload with a Qwen2 tokenizer that maps bytes to nothing.
     config = transformers.LlamaConfig(
@@ -307,7 +340,7 @@ def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidd
         add_relative_noise(model, perturb, seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model = quantized(model.to(device=device, dtype=torch_dtype(dtype)).eval(), quantize)
+    model = with_linear_layers(model.to(device=device, dtype=torch_dtype(dtype)).eval(), quantize, linear_kernel)
     name = f"tiny(seed={seed}, vocab={vocab_size}, perturb={perturb})"
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 

@@ -20,7 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spectr_gbv.decoding.engine import check_settings
-from spectr_gbv.decoding.models import check_quantize
+from spectr_gbv.decoding.models import check_linear_layers
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
 
@@ -86,7 +86,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(key, cfg[key], allowed)
     for side in ("model", "drafter"):
         check_model_path(side, cfg[side])
-        check_quantize(f"{side}.quantize", cfg[side].get("quantize"), cfg[side].dtype, cfg[side].device)
+        check_linear_layers(f"{side}.", cfg[side].get("quantize"), cfg[side].get("linear_kernel"), cfg[side].dtype,
+                            cfg[side].device)
     if cfg.trainer.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator", cfg.trainer.accelerator,
                           "no CUDA device here (or torch is a CPU build); use trainer=cpu or trainer=ddp_cpu")

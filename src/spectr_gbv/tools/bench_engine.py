@@ -92,11 +92,14 @@ class Row(Totals):
         return self.decode_tokens / (self.total("total_time") - self.total("prefill_time"))
 
 
-def load_pair(use_tiny: bool, dtype: str, drafter_quantize: str | None) -> tuple[LoadedModel, LoadedModel]:
+def load_pair(use_tiny: bool, dtype: str, drafter_quantize: str | None,
+              linear_kernel: str | None) -> tuple[LoadedModel, LoadedModel]:
     if use_tiny:
-        return tiny(seed=0, dtype=dtype), tiny(seed=0, perturb=0.2, dtype=dtype, quantize=drafter_quantize)
-    return (packaged("qwen2.5-coder-1.5b-instruct", dtype=dtype),
-            packaged("qwen2.5-coder-0.5b-instruct", dtype=dtype, quantize=drafter_quantize))
+        return (tiny(seed=0, dtype=dtype, linear_kernel=linear_kernel),
+                tiny(seed=0, perturb=0.2, dtype=dtype, quantize=drafter_quantize, linear_kernel=linear_kernel))
+    return (packaged("qwen2.5-coder-1.5b-instruct", dtype=dtype, linear_kernel=linear_kernel),
+            packaged("qwen2.5-coder-0.5b-instruct", dtype=dtype, quantize=drafter_quantize,
+                     linear_kernel=linear_kernel))
 
 
 def engine_method(target, drafter, verifier, max_new_tokens, temperature, num_drafts=1, block_length=4):
@@ -338,11 +341,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--drafter-quantize", choices=["int8"], default=None,
                         help="the drafter's linear weights in int8 (the engine and transformers' assisted generation "
                              "both draft with it)")
+    parser.add_argument("--linear-kernel", choices=["onednn"], default=None,
+                        help="both models' linear layers on oneDNN (float32 only; transformers' methods use the same "
+                             "models)")
     args = parser.parse_args(argv)
     for key in ("max_new_tokens", "block_length", "max_drafts", "repeats"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} is not allowed: must be >= 1")
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
+    if args.linear_kernel and args.dtype != "float32":
+        parser.error(f"--linear-kernel={args.linear_kernel} needs --dtype float32, not {args.dtype}")
     return args
 
 
@@ -351,9 +359,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:  # tiny models are all per-op overhead: a second thread only adds synchronisation
         torch.set_num_threads(1)
     console = Console(width=WIDTH)
-    about = machine(args.dtype) + (f", drafter {args.drafter_quantize}" if args.drafter_quantize else "")
+    about = (machine(args.dtype) + (f", drafter {args.drafter_quantize}" if args.drafter_quantize else "")
+             + (f", linear layers on {args.linear_kernel}" if args.linear_kernel else ""))
     console.print(f"machine: {about}")
-    target, drafter = load_pair(args.tiny, args.dtype, args.drafter_quantize)
+    target, drafter = load_pair(args.tiny, args.dtype, args.drafter_quantize, args.linear_kernel)
     texts = PROMPTS[:max(args.prompts, args.batch_prompts)]
     encoded = [target.encode_prompt(text) for text in texts]
     prompts, batch_prompts = encoded[:args.prompts], encoded[:args.batch_prompts]
