@@ -156,12 +156,12 @@ class SpeculativeEngine:
         if self.verifier is not None and num_drafts > 1 and sampling.drafter_temperature == 0:
             warnings.warn(f"num_drafts={num_drafts} with a greedy drafter makes all drafts identical; "
                           "set sampling.draft_temperature > 0")
-        for role, loaded in (("target", target), ("drafter", drafter)):
+        for role, key, loaded in (("target", "model", target), ("drafter", "drafter", drafter)):  # key: run.py's
             if loaded is not None and emulated_bfloat16(loaded.model):
                 warnings.warn(f"the {role} runs in bfloat16 on a CPU without AMX-BF16 or AVX512-BF16, where "
                               "bfloat16 matmuls are emulated: a pass over n positions or rows costs about n passes "
-                              "over one, so drafts and batches pay little; float32 can be faster "
-                              "(model.dtype=float32 drafter.dtype=float32; README, Engine)")
+                              "over one, so drafts and batches pay little; float32 on oneDNN can be faster "
+                              f"({key}.dtype=float32 {key}.linear_kernel=onednn; README, Engine)")
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.num_drafts, self.block_length = num_drafts, block_length
         self.eos_ids = eos_ids(target)
