@@ -6,8 +6,15 @@ import torch
 import transformers
 
 from spectr_gbv.decoding import models
-from spectr_gbv.decoding.models import (Int8Linear, LoadedModel, OneDNNLinear, check_same_tokenizer, packaged,
-                                       pretrained, tiny)
+from spectr_gbv.decoding.models import (
+    Int8Linear,
+    LoadedModel,
+    OneDNNLinear,
+    check_same_tokenizer,
+    packaged,
+    pretrained,
+    tiny,
+)
 from spectr_gbv.errors import ConfigError
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "1 + 1 = ", "Once upon a time"]
