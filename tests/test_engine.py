@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from transformers import DynamicCache
 
 from spectr_gbv.decoding import costs
-from spectr_gbv.decoding.cache import COMMITTED
+from spectr_gbv.decoding.cache import COMMITTED, SlotCache, only_where, position_wise_modules
 from spectr_gbv.decoding.engine import SpeculativeEngine
 from spectr_gbv.decoding.models import tiny
 from spectr_gbv.decoding.sampling import Sampling, warp
@@ -314,6 +314,28 @@ def assert_fresh(loaded, cache, row, ids):
     for layer, fresh_layer in zip(cache.cache.layers, fresh.layers):
         for kept, expected in ((layer.keys, fresh_layer.keys), (layer.values, fresh_layer.values)):
             assert torch.allclose(kept[row][:, order], expected[0], atol=1e-10, rtol=0)
+
+
+def test_padded_positions_skip_the_position_wise_modules(greedy_pair):
+    """A pass with hidden positions: the MLPs and the output layer see the kept positions only, the logits there are
+    the unpacked pass's, and no hook is left behind."""
+    target, _, prompts = greedy_pair
+    model, modules = target.model, position_wise_modules(target.model)
+    assert len(modules) == model.config.num_hidden_layers + 1
+    cache = SlotCache(target, len(prompts))
+    ids, label, position = cache.committed_inputs(prompts)  # left-padded to the longest prompt
+    mask, keep = cache.attention_mask(label, position, None), label == COMMITTED
+    seen = []
+    counter = modules[0].register_forward_hook(lambda module, args, out: seen.append(args[0].shape[:-1].numel()))
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+        with only_where(keep, modules):
+            packed = model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+    counter.remove()
+    assert seen == [ids.numel(), int(keep.sum())]
+    assert torch.allclose(packed[keep], full[keep], atol=1e-12, rtol=0)
+    assert (packed[~keep] == 0).all()
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
 # ---- batch invariance, attention implementations, devices ----------------------------------------------------

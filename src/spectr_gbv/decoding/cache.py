@@ -11,7 +11,14 @@ slot), and every forward pass gets a 4D additive mask built from the labels:
              and its descendants (see draft_tree.py)
 
 Holes are removed by gathering the slots to keep into place (`keep`), once a whole region's worth piles up.
+
+A pass over B rows is as wide as its widest row, so it feeds hidden slots too (left padding of the prompts, the trie
+padding of rows with fewer distinct nodes). Nobody sees them, so the position-wise modules (every layer's MLP and the
+output layer, most of a pass's work) skip them (`only_where`).
 """
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache
@@ -32,6 +39,7 @@ class SlotCache:
             raise ValueError(f"model {loaded.name!r} has {', '.join(sorted(sliding))} layers (sliding-window "
                              "attention), which the engine's slot cache does not support; use a model with full "
                              "attention in every layer")
+        self.position_wise = position_wise_modules(self.model)
         device = self.model.device
         self.label = torch.empty(batch_size, 0, dtype=torch.long, device=device)
         self.position = torch.empty(batch_size, 0, dtype=torch.long, device=device)
@@ -47,8 +55,9 @@ class SlotCache:
         """Run the model on tokens [B, N] with their labels and positions, appending N slots to every row;
         `first` [B, K, L] (draft_tree.representatives) is needed when tree nodes are fed or seen. Returns logits."""
         mask = self.attention_mask(label, position, first)
-        logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=position, cache=self.cache,
-                            use_cache=True, logits_to_keep=logits_to_keep).logits
+        with only_where(label != HIDDEN, self.position_wise):
+            logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=position, cache=self.cache,
+                                use_cache=True, logits_to_keep=logits_to_keep).logits
         self.label = torch.cat([self.label, label], 1)
         self.position = torch.cat([self.position, position], 1)
         self.lengths = self.lengths + (label == COMMITTED).sum(1)
@@ -118,6 +127,45 @@ class SlotCache:
         """Keep only batch rows `rows` (finished rows leave the batch)."""
         self.cache.batch_select_indices(rows)
         self.label, self.position, self.lengths = self.label[rows], self.position[rows], self.lengths[rows]
+
+
+def position_wise_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that map each position on its own: every decoder layer's MLP and the output layer (on the
+    Qwen2.5-Coder pair ~90% of the weights a position is multiplied with)."""
+    return [layer.mlp for layer in model.get_decoder().layers] + [model.get_output_embeddings()]
+
+
+@contextmanager
+def only_where(keep: Tensor, modules: list[torch.nn.Module]) -> Iterator[None]:
+    """Within it, each position-wise module (inputs [B, N, H]) runs on the positions where keep [B, N] holds, packed
+    into one row, and outputs zeros at the others; one that sees fewer positions (the output layer under
+    logits_to_keep) sees the last ones. Exact at the kept positions: on a CPU a matmul costs about its rows, so a
+    pass over B rows padded to the widest costs what its real positions cost (8 rows x 13 positions, 72 of them
+    real, on the AVX2 EPYC of README's Engine: 1.6 s against 2.1 s)."""
+    if bool(keep.all()):
+        yield
+        return
+    shapes = {}
+
+    def pack(module, args):
+        x = args[0]
+        kept = keep[:, -x.shape[1]:]
+        shapes[module] = (x.shape[:-1], kept)
+        return (x[kept][None], *args[1:])
+
+    def unpack(module, args, out):
+        shape, kept = shapes.pop(module)
+        full = out.new_zeros(shape + out.shape[-1:])
+        full[kept] = out[0]
+        return full
+
+    handles = [hook for module in modules
+               for hook in (module.register_forward_pre_hook(pack), module.register_forward_hook(unpack))]
+    try:
+        yield
+    finally:
+        for hook in handles:
+            hook.remove()
 
 
 def descends_from(query_label: Tensor, slot_label: Tensor, first: Tensor | None) -> Tensor:
