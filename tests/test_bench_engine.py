@@ -39,7 +39,10 @@ def test_a_batch_pass_holds_the_rows_still_decoding():
 
 
 @pytest.mark.parametrize("flag, named", [(["--drafter-quantize", "int8"], "float32, drafter int8"),
-                                         (["--linear-kernel", "onednn"], "float32, linear layers on onednn")])
+                                         (["--linear-kernel", "onednn"], "float32, linear layers on onednn"),
+                                         (["--linear-kernel", "onednn", "--drafter-dtype", "bfloat16",
+                                           "--drafter-quantize", "int8"],
+                                          "float32, linear layers on onednn, drafter bfloat16 int8")])
 def test_other_linear_layers_are_named_with_the_machine(flag, named, capsys, restore_threads):
     main(["--tiny", "--prompts", "1", "--batch-prompts", "1", "--max-new-tokens", "4", "--block-length", "2",
           "--max-drafts", "1", "--repeats", "1", *flag])
@@ -48,7 +51,8 @@ def test_other_linear_layers_are_named_with_the_machine(flag, named, capsys, res
 
 @pytest.mark.parametrize("flag", [["--max-new-tokens", "0"], ["--block-length", "-1"], ["--repeats", "0"],
                                   ["--dtype", "float16"], ["--batch-prompts", "0"], ["--prompts", "99"],
-                                  ["--dtype", "bfloat16", "--linear-kernel", "onednn"]])
+                                  ["--dtype", "bfloat16", "--linear-kernel", "onednn"],
+                                  ["--drafter-dtype", "float64", "--drafter-quantize", "int8"]])
 def test_bad_flag_values_exit_nonzero(flag, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--tiny", *flag])

@@ -126,10 +126,11 @@ def test_lossless_verifiers_emit_the_greedy_path(greedy_pair, greedy_reference, 
 
 @pytest.mark.parametrize("name, K", [("token", 1), ("gbv", 3)])
 @pytest.mark.parametrize("target_kernel, drafter_linear", [(None, dict(quantize="int8")),
-                                                           ("onednn", dict(linear_kernel="onednn"))])
+                                                           ("onednn", dict(linear_kernel="onednn")),
+                                                           ("onednn", dict(dtype="bfloat16", quantize="int8"))])
 def test_other_linear_layers_keep_the_target_greedy_path(name, K, target_kernel, drafter_linear):
-    """An int8 drafter is just another drafter; a target on oneDNN is the same float32 target, whose greedy path
-    transformers' generate() gives on the same model."""
+    """An int8 drafter (bfloat16 activations beside a float32 target too) is just another drafter; a target on oneDNN
+    is the same float32 target, whose greedy path transformers' generate() gives on the same model."""
     target, drafter = tiny(seed=0, linear_kernel=target_kernel), tiny(seed=0, perturb=0.2, **drafter_linear)
     prompts = [target.encode_prompt(text) for text in PROMPTS]
     expected = [hf_greedy(target, prompt, MAX_NEW) for prompt in prompts]
@@ -454,10 +455,12 @@ def test_bad_engine_arguments_are_refused(greedy_pair):
 @pytest.mark.parametrize("flags, warned", [(set(), True), ({"avx512_bf16"}, False), ({"amx_tile", "amx_bf16"}, False),
                                            (None, False)])
 def test_bfloat16_without_the_cpus_bfloat16_units_is_flagged(monkeypatch, flags, warned):
-    """Only where the CPU is known to lack AMX-BF16 and AVX512-BF16 (None: no /proc/cpuinfo), and only in bfloat16."""
+    """Only where the CPU is known to lack AMX-BF16 and AVX512-BF16 (None: no /proc/cpuinfo), and only for bfloat16
+    linear weights: int8 weights with bfloat16 activations run on their own kernel."""
     monkeypatch.setattr(costs, "cpu_flags", lambda: flags)
-    for dtype, expected in [("bfloat16", warned), ("float32", False)]:
-        model = tiny(seed=0, dtype=dtype)
+    for settings, expected in [(dict(dtype="bfloat16"), warned), (dict(dtype="float32"), False),
+                               (dict(dtype="bfloat16", quantize="int8"), False)]:
+        model = tiny(seed=0, **settings)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             SpeculativeEngine(model, model, "token", sampling=Sampling(temperature=0.0))

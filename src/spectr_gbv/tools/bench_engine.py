@@ -92,14 +92,29 @@ class Row(Totals):
         return self.decode_tokens / (self.total("total_time") - self.total("prefill_time"))
 
 
-def load_pair(use_tiny: bool, dtype: str, drafter_quantize: str | None,
-              linear_kernel: str | None) -> tuple[LoadedModel, LoadedModel]:
+def load_pair(use_tiny: bool, target_settings: dict, drafter_settings: dict) -> tuple[LoadedModel, LoadedModel]:
+    """The pair, each model loaded with its settings (dtype, quantize, linear_kernel)."""
     if use_tiny:
-        return (tiny(seed=0, dtype=dtype, linear_kernel=linear_kernel),
-                tiny(seed=0, perturb=0.2, dtype=dtype, quantize=drafter_quantize, linear_kernel=linear_kernel))
-    return (packaged("qwen2.5-coder-1.5b-instruct", dtype=dtype, linear_kernel=linear_kernel),
-            packaged("qwen2.5-coder-0.5b-instruct", dtype=dtype, quantize=drafter_quantize,
-                     linear_kernel=linear_kernel))
+        return tiny(seed=0, **target_settings), tiny(seed=0, perturb=0.2, **drafter_settings)
+    return (packaged("qwen2.5-coder-1.5b-instruct", **target_settings),
+            packaged("qwen2.5-coder-0.5b-instruct", **drafter_settings))
+
+
+def pair_settings(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The models' settings from the flags: the linear kernel goes to each model it can run (float32, not int8)."""
+    drafter_dtype = args.drafter_dtype or args.dtype
+    drafter_kernel = args.linear_kernel if drafter_dtype == "float32" and not args.drafter_quantize else None
+    return ({"dtype": args.dtype, "linear_kernel": args.linear_kernel},
+            {"dtype": drafter_dtype, "quantize": args.drafter_quantize, "linear_kernel": drafter_kernel})
+
+
+def describe_pair(target: dict, drafter: dict) -> str:
+    """What follows the machine's dtype in the header: the target's linear kernel, then the drafter's settings
+    where they differ from the target's (e.g. ", linear layers on onednn, drafter bfloat16 int8")."""
+    kernel = f", linear layers on {target['linear_kernel']}" if target["linear_kernel"] else ""
+    differs = [part for part in (drafter["dtype"] if drafter["dtype"] != target["dtype"] else None,
+                                 drafter["quantize"]) if part]
+    return kernel + (f", drafter {' '.join(differs)}" if differs else "")
 
 
 def engine_method(target, drafter, verifier, max_new_tokens, temperature, num_drafts=1, block_length=4):
@@ -338,12 +353,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-length", type=int, default=4)
     parser.add_argument("--max-drafts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions of each bare forward")
+    parser.add_argument("--drafter-dtype", choices=list(DTYPES), default=None,
+                        help="the drafter's dtype (default: --dtype), e.g. bfloat16 for int8 weights with bfloat16 "
+                             "activations beside a float32 target")
     parser.add_argument("--drafter-quantize", choices=["int8"], default=None,
                         help="the drafter's linear weights in int8 (the engine and transformers' assisted generation "
                              "both draft with it)")
     parser.add_argument("--linear-kernel", choices=["onednn"], default=None,
-                        help="both models' linear layers on oneDNN (float32 only; transformers' methods use the same "
-                             "models)")
+                        help="linear layers on oneDNN: the target's (needs --dtype float32) and the drafter's when it is "
+                             "float32 without --drafter-quantize (transformers' methods use the same models)")
     args = parser.parse_args(argv)
     for key in ("max_new_tokens", "block_length", "max_drafts", "repeats"):
         if getattr(args, key) < 1:
@@ -351,6 +369,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     if args.linear_kernel and args.dtype != "float32":
         parser.error(f"--linear-kernel={args.linear_kernel} needs --dtype float32, not {args.dtype}")
+    if args.drafter_quantize and (args.drafter_dtype or args.dtype) == "float64":
+        parser.error(f"--drafter-quantize={args.drafter_quantize} needs a float32 or bfloat16 drafter "
+                     "(--drafter-dtype), not float64")
     return args
 
 
@@ -359,10 +380,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:  # tiny models are all per-op overhead: a second thread only adds synchronisation
         torch.set_num_threads(1)
     console = Console(width=WIDTH)
-    about = (machine(args.dtype) + (f", drafter {args.drafter_quantize}" if args.drafter_quantize else "")
-             + (f", linear layers on {args.linear_kernel}" if args.linear_kernel else ""))
+    target_settings, drafter_settings = pair_settings(args)
+    about = machine(args.dtype) + describe_pair(target_settings, drafter_settings)
     console.print(f"machine: {about}")
-    target, drafter = load_pair(args.tiny, args.dtype, args.drafter_quantize, args.linear_kernel)
+    target, drafter = load_pair(args.tiny, target_settings, drafter_settings)
     texts = PROMPTS[:max(args.prompts, args.batch_prompts)]
     encoded = [target.encode_prompt(text) for text in texts]
     prompts, batch_prompts = encoded[:args.prompts], encoded[:args.batch_prompts]
