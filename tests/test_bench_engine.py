@@ -23,7 +23,7 @@ def test_tiny_run_prints_machine_limits_costs_and_batches(capsys, restore_thread
     assert "AVX512-BF16: " in out and f"torch {torch.__version__}" in out and "float64" in out
     for heading in ["Greedy (T=0)", "ar / generate() tokens/s", "Sampling (T=1): speedup vs the cost-model limit",
                     "limit", "share", "ar itself runs at", "Bare forwards", "Batch throughput",
-                    "rows/pass"]:
+                    "rows/pass", "ar tok/s", "vs ar"]:
         assert heading in out
     assert "gbv K=2 L=2" in out and "same tokens as B=1" in out
     # B = 1, 2, 4 on 4 prompts (not 8); float64, so every B emits the tokens of B = 1

@@ -7,7 +7,8 @@ models), after one line naming the machine (CPU, its bf16 matrix units, threads,
   - sampling (T = 1): `ar` and `gbv` K = 1..max_drafts, each against the cost-model limit of its speedup
     (decoding/costs.py), with the bare passes in one row over a KV cache holding the first prompt, timed in this run;
   - batch throughput: `gbv` K = 3 at T = 1 on N prompts decoded B at a time, B = 1, 2, 4, 8 (those <= N), each
-    against the ratio to B = 1 that bare passes over the rows each pass held allow; every B runs twice, there and back.
+    against the ratio to B = 1 that bare passes over the rows each pass held allow, and against `ar` at the same B;
+    every B runs twice, there and back.
 Speedups are ratios to `ar` at the same temperature, measured in this run. Methods run prompt by prompt, in turn, so
 noise from other processes hits all alike. Prompt i always draws from a generator seeded i. Target calls of
 transformers' runs are counted with a forward hook, so their block efficiency is measured as the engine's.
@@ -40,7 +41,7 @@ PROMPTS = [
 ]
 BATCH_DRAFTS = 3  # K of the batch part: several drafts, so each row's trie is a real tree
 BATCH_SIZES = (1, 2, 4, 8)
-WIDTH = 160  # of the console: wide tables, also when piped to a file
+WIDTH = 180  # of the console: wide tables, also when piped to a file
 
 
 # --- methods: prompt, seed -> DecodeRecord ---------------------------------------------------------------------------
@@ -223,23 +224,29 @@ class BatchRun(Totals):
         return self.total("new_tokens") / seconds
 
 
-def batch_throughput(target, drafter, prompts, max_new_tokens, block_length, console) -> list[BatchRun]:
-    """All prompts through generate_batch in chunks of B, prompt i always with the generator seeded i: the same
-    draws at every B, so outputs differ across B only by rounding (padding changes the shapes of the matmuls). Each B
-    runs twice, in the order 1, 2, 4, 8, 8, 4, 2, 1: a steady drift of the machine's speed over the part then weighs
-    on every B alike (B = 1 alone takes minutes, and its speed moved by a third between runs on one machine)."""
-    engine = SpeculativeEngine(target, drafter, "gbv", BATCH_DRAFTS, block_length, Sampling(1.0))
+def batch_throughput(target, drafter, prompts, max_new_tokens, block_length,
+                     console) -> tuple[list[BatchRun], list[BatchRun]]:
+    """All prompts through generate_batch in chunks of B, with `gbv` K=3 and with `ar` (does speculation still pay
+    when batching alone fills the passes?), prompt i always with the generator seeded i: the same draws at every B, so
+    outputs differ across B only by rounding (padding changes the shapes of the matmuls). Each B runs twice, in the
+    order 1, 2, 4, 8, 8, 4, 2, 1, the two methods in turn: a steady drift of the machine's speed over the part then
+    weighs on every B and method alike (B = 1 alone takes minutes, and its speed moved by a third between runs on one
+    machine). Returns the gbv runs and the ar runs, by B."""
+    engines = {"gbv": SpeculativeEngine(target, drafter, "gbv", BATCH_DRAFTS, block_length, Sampling(1.0)),
+               "ar": SpeculativeEngine(target, None, "ar", sampling=Sampling(1.0))}
     sizes = [B for B in BATCH_SIZES if B <= len(prompts)]
-    runs = {B: BatchRun(B, [], 0.0) for B in sizes}
+    runs = {(name, B): BatchRun(B, [], 0.0) for name in engines for B in sizes}
     for B in sizes + sizes[::-1]:
-        start = time.perf_counter()
-        for first in range(0, len(prompts), B):
-            chunk = range(first, min(first + B, len(prompts)))
-            runs[B].chunks.append(engine.generate_batch([prompts[i] for i in chunk], max_new_tokens,
+        for name, engine in engines.items():
+            run = runs[name, B]
+            start = time.perf_counter()
+            for first in range(0, len(prompts), B):
+                chunk = range(first, min(first + B, len(prompts)))
+                run.chunks.append(engine.generate_batch([prompts[i] for i in chunk], max_new_tokens,
                                                         [torch.Generator().manual_seed(i) for i in chunk]))
-        runs[B].wall += time.perf_counter() - start
-        console.log(f"batch B={B}: {runs[B].tokens_per_second:.2f} tokens/s so far")
-    return list(runs.values())
+            run.wall += time.perf_counter() - start
+            console.log(f"batch B={B}, {name}: {run.tokens_per_second:.2f} tokens/s so far")
+    return [runs["gbv", B] for B in sizes], [runs["ar", B] for B in sizes]
 
 
 # --- tables --------------------------------------------------------------------------------------------------------
@@ -314,13 +321,14 @@ def report_costs(rows: list[Row], costs: BareCosts, block_length: int, context_l
     console.print(table)
 
 
-def report_batch(runs: list[BatchRun], costs: BareCosts, block_length: int, title: str, console: Console) -> None:
+def report_batch(runs: list[BatchRun], ar_runs: list[BatchRun], costs: BareCosts, block_length: int, title: str,
+                 console: Console) -> None:
     base = runs[0]
     table = new_table(f"Batch throughput: gbv K={BATCH_DRAFTS} at T=1, B prompts per generate_batch call\n{title}",
                       ["B", "tokens", "wall s", "tok/s", "vs B=1", "after prefill", "limit", "share", "rows/pass",
-                       "block eff.", "draft %", "target %", "verify %", "same tokens as B=1"])
+                       "block eff.", "draft %", "target %", "verify %", "ar tok/s", "vs ar", "same tokens as B=1"])
     base_bare = base.bare_tokens_per_second(costs, block_length)
-    for run in runs:
+    for run, ar in zip(runs, ar_runs):
         after_prefill = run.decode_tokens_per_second / base.decode_tokens_per_second
         limit = run.bare_tokens_per_second(costs, block_length) / base_bare
         rows = run.rows_per_pass()
@@ -329,11 +337,13 @@ def report_batch(runs: list[BatchRun], costs: BareCosts, block_length: int, titl
                       f"{after_prefill:.2f}x", f"{limit:.2f}x", f"{after_prefill / limit:.0%}",
                       f"{sum(rows) / len(rows):.1f}", f"{run.block_efficiency:.2f}",
                       *[f"{run.total(key) / run.wall:.0%}" for key in ("draft_time", "target_time", "verify_time")],
+                      f"{ar.tokens_per_second:.2f}", f"{run.tokens_per_second / ar.tokens_per_second:.2f}x",
                       yes(same_outputs(run.records, base.records)))
     console.print(table)
     console.print("vs B=1 and after prefill: tokens/s over B=1's, with and without the prefills. Limit: the same ratio "
                   "if every pass cost only its bare forwards over the rows it held (rows leave as they finish; "
-                  "rows/pass is their mean). Share: after prefill / limit.")
+                  "rows/pass is their mean). Share: after prefill / limit. ar tok/s: `ar` at the same B on the same "
+                  "prompts, in turn with gbv; vs ar: gbv's tokens/s over it.")
 
 
 # --- command line --------------------------------------------------------------------------------------------------
@@ -401,14 +411,14 @@ def main(argv: list[str] | None = None) -> None:
 
     costs = BareCosts(target, drafter, prompts[0], args.repeats)
     rows = benchmark(target, drafter, prompts, n, L, args.max_drafts, console)
-    runs = batch_throughput(target, drafter, batch_prompts, n, L, console)
+    runs, ar_runs = batch_throughput(target, drafter, batch_prompts, n, L, console)
 
     pair = f"{target.name} <- {drafter.name}"
     title = f"{pair}, {len(prompts)} prompts x {n} new tokens\n{about}"
     report_greedy(rows[:4], title, console)
     report_sampling(rows[4:], costs, L, title, console)
     report_costs(rows[4:], costs, L, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
-    report_batch(runs, costs, L, f"{pair}, {len(batch_prompts)} prompts x {n} new tokens, twice at each B\n{about}",
+    report_batch(runs, ar_runs, costs, L, f"{pair}, {len(batch_prompts)} prompts x {n} new tokens, twice at each B\n{about}",
                  console)
 
 
