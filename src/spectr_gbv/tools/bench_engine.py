@@ -370,8 +370,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the drafter's linear weights in int8 (the engine and transformers' assisted generation "
                              "both draft with it)")
     parser.add_argument("--linear-kernel", choices=["onednn"], default=None,
-                        help="linear layers on oneDNN: the target's (needs --dtype float32) and the drafter's when it is "
-                             "float32 without --drafter-quantize (transformers' methods use the same models)")
+                        help="linear layers on oneDNN: the target's (needs --dtype float32) and the drafter's when "
+                             "it is float32 without --drafter-quantize (transformers' methods use the same models)")
     args = parser.parse_args(argv)
     for key in ("max_new_tokens", "block_length", "max_drafts", "repeats"):
         if getattr(args, key) < 1:
@@ -418,8 +418,8 @@ def main(argv: list[str] | None = None) -> None:
     report_greedy(rows[:4], title, console)
     report_sampling(rows[4:], costs, L, title, console)
     report_costs(rows[4:], costs, L, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
-    report_batch(runs, ar_runs, costs, L, f"{pair}, {len(batch_prompts)} prompts x {n} new tokens, twice at each B\n{about}",
-                 console)
+    report_batch(runs, ar_runs, costs, L,
+                 f"{pair}, {len(batch_prompts)} prompts x {n} new tokens, twice at each B\n{about}", console)
 
 
 if __name__ == "__main__":
