@@ -24,8 +24,9 @@ from transformers import GenerationConfig
 
 from spectr_gbv.decoding.costs import BareCosts, machine
 from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine
-from spectr_gbv.decoding.models import DTYPES, LoadedModel, packaged, tiny
+from spectr_gbv.decoding.models import DTYPES, LoadedModel, check_linear_layers, packaged, tiny
 from spectr_gbv.decoding.sampling import Sampling
+from spectr_gbv.errors import ConfigError
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -377,11 +378,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} is not allowed: must be >= 1")
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
-    if args.linear_kernel and args.dtype != "float32":
-        parser.error(f"--linear-kernel={args.linear_kernel} needs --dtype float32, not {args.dtype}")
-    if args.drafter_quantize and (args.drafter_dtype or args.dtype) == "float64":
-        parser.error(f"--drafter-quantize={args.drafter_quantize} needs a float32 or bfloat16 drafter "
-                     "(--drafter-dtype), not float64")
+    for key, settings in zip(("model.", "drafter."), pair_settings(args)):  # run.py's keys name the models
+        try:
+            check_linear_layers(key, settings.get("quantize"), settings["linear_kernel"], settings["dtype"], "cpu")
+        except ConfigError as error:
+            parser.error(str(error))
     return args
 
 
