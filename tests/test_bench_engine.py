@@ -42,7 +42,9 @@ def test_a_batch_pass_holds_the_rows_still_decoding():
                                          (["--linear-kernel", "onednn"], "float32, linear layers on onednn"),
                                          (["--linear-kernel", "onednn", "--drafter-dtype", "bfloat16",
                                            "--drafter-quantize", "int8"],
-                                          "float32, linear layers on onednn, drafter bfloat16 int8")])
+                                          "float32, linear layers on onednn, drafter bfloat16 int8"),
+                                         (["--linear-kernel", "onednn", "--drafter-quantize", "int8_dynamic"],
+                                          "float32, linear layers on onednn, drafter int8_dynamic")])
 def test_other_linear_layers_are_named_with_the_machine(flag, named, capsys, restore_threads):
     main(["--tiny", "--prompts", "1", "--batch-prompts", "1", "--max-new-tokens", "4", "--block-length", "2",
           "--max-drafts", "1", "--repeats", "1", *flag])

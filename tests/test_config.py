@@ -106,8 +106,8 @@ def test_wandb_sweep_is_the_hydra_preset(make_cfg, capsys):
     (["model=hf", "model.path=/no/such/model"], "model.path=/no/such/model: no such file or directory"),
     (["drafter=hf", "drafter.path=./missing.gguf"], "drafter.path=./missing.gguf: no such file or directory"),
     (["model=hf"], "model.path=???: required"),
-    (["drafter.quantize=int4"], "drafter.quantize=int4: choose null (the weights as loaded) or int8"),
-    (["model.quantize=int8", "model.dtype=float64"], "model.quantize=int8: needs device cpu and dtype float32"),
+    (["drafter.quantize=int4"], "drafter.quantize=int4: choose null (the weights as loaded), int8 or int8_dynamic"),
+    (["model.quantize=int8", "model.dtype=float64"], "model.quantize=int8: needs dtype float32 or bfloat16 (here"),
     (["drafter.linear_kernel=blas"], "drafter.linear_kernel=blas: choose null (torch's own matmul) or onednn"),
     (["model.linear_kernel=onednn", "model.dtype=float64"], "model.linear_kernel=onednn: needs dtype float32"),
 ])

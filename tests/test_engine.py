@@ -127,10 +127,12 @@ def test_lossless_verifiers_emit_the_greedy_path(greedy_pair, greedy_reference, 
 @pytest.mark.parametrize("name, K", [("token", 1), ("gbv", 3)])
 @pytest.mark.parametrize("target_kernel, drafter_linear", [(None, dict(quantize="int8")),
                                                            ("onednn", dict(linear_kernel="onednn")),
-                                                           ("onednn", dict(dtype="bfloat16", quantize="int8"))])
+                                                           ("onednn", dict(dtype="bfloat16", quantize="int8")),
+                                                           ("onednn", dict(quantize="int8_dynamic"))])
 def test_other_linear_layers_keep_the_target_greedy_path(name, K, target_kernel, drafter_linear):
-    """An int8 drafter (bfloat16 activations beside a float32 target too) is just another drafter; a target on oneDNN
-    is the same float32 target, whose greedy path transformers' generate() gives on the same model."""
+    """An int8 drafter (bfloat16 activations beside a float32 target too, or int8 activations) is just another
+    drafter; a target on oneDNN is the same float32 target, whose greedy path transformers' generate() gives on the
+    same model."""
     target, drafter = tiny(seed=0, linear_kernel=target_kernel), tiny(seed=0, perturb=0.2, **drafter_linear)
     prompts = [target.encode_prompt(text) for text in PROMPTS]
     expected = [hf_greedy(target, prompt, MAX_NEW) for prompt in prompts]

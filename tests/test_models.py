@@ -7,6 +7,7 @@ import transformers
 
 from spectr_gbv.decoding import models
 from spectr_gbv.decoding.models import (
+    DynamicInt8Linear,
     Int8Linear,
     LoadedModel,
     OneDNNLinear,
@@ -131,6 +132,33 @@ def test_an_int8_drafter_keeps_its_laws_close():
     assert 0 < distance.max() < 0.1  # total variation per position: changed, a little
 
 
+# --- int8 weights and activations ---------------------------------------------------------------------------------
+
+def test_a_dynamic_int8_linear_scales_each_position_on_its_own():
+    """Close to the float32 matmul, and each position's output is bit for bit the same whatever shares its pass, even
+    positions a million times larger (one scale for the whole input would crush the small ones to zero)."""
+    linear = torch.nn.Linear(64, 40, bias=True)
+    quantized_linear = DynamicInt8Linear(linear)
+    x = torch.randn(2, 3, 64)
+    x[1, 2] *= 1e6
+    y = quantized_linear(x)
+    for b in range(2):
+        for t in range(3):
+            assert torch.equal(quantized_linear(x[b, t][None]), y[b, t][None])
+            exact = linear(x[b, t])
+            assert (y[b, t] - exact).abs().max() < 0.05 * (exact - linear.bias).abs().max() + 1e-6
+    assert quantized_linear.weight.dtype == torch.int8 and quantized_linear.weight.shape == (40, 64)
+
+
+def test_a_dynamic_int8_drafter_keeps_its_laws_close():
+    drafter, int8 = tiny(seed=0, perturb=0.2), tiny(seed=0, perturb=0.2, quantize="int8_dynamic")
+    assert isinstance(int8.model.lm_head, DynamicInt8Linear) and not any(
+        isinstance(module, torch.nn.Linear) for module in int8.model.modules())
+    ids = prompt_ids(drafter, " ".join(PROMPTS))
+    distance = 0.5 * (logits(drafter, ids).softmax(-1) - logits(int8, ids).softmax(-1)).abs().sum(-1)
+    assert 0 < distance.max() < 0.1  # total variation per position: changed, a little
+
+
 # --- float32 linear layers on oneDNN --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -151,7 +179,9 @@ def test_a_onednn_model_computes_the_same_laws():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(quantize="int4"), "quantize=int4: choose null"),
-    (dict(quantize="int8", dtype="float64"), "quantize=int8: needs device cpu and dtype float32 or bfloat16"),
+    (dict(quantize="int8", dtype="float64"), "quantize=int8: needs dtype float32 or bfloat16 \\(here"),
+    (dict(quantize="int8_dynamic", dtype="bfloat16"), "quantize=int8_dynamic: needs dtype float32 \\(here"),
+    (dict(quantize="int8_dynamic", linear_kernel="onednn"), "linear_kernel=onednn: needs quantize null \\(here"),
     (dict(linear_kernel="mkl"), "linear_kernel=mkl: choose null"),
     (dict(linear_kernel="onednn", dtype="bfloat16"), "linear_kernel=onednn: needs dtype float32 \\(here"),
     (dict(linear_kernel="onednn", quantize="int8"), "linear_kernel=onednn: needs quantize null \\(here"),

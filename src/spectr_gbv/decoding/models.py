@@ -16,6 +16,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +58,8 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2" or "org/name"
 def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file: str | None = None,
                quantize: str | None = None, linear_kernel: str | None = None) -> LoadedModel:
     """Load a local folder (optionally with gguf_file inside it), a path to a .gguf file, or a hub id; quantize="int8"
-    stores its linear layers' weights in int8 (see Int8Linear), linear_kernel="onednn" computes them on oneDNN (see
-    OneDNNLinear)."""
+    stores its linear layers' weights in int8 (see Int8Linear), "int8_dynamic" computes them in int8 (see
+    DynamicInt8Linear), linear_kernel="onednn" computes them on oneDNN (see OneDNNLinear)."""
     check_linear_layers("", quantize, linear_kernel, dtype, device)
     local = Path(path).expanduser()
     if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
@@ -90,9 +91,10 @@ def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file
     return LoadedModel(model=with_linear_layers(model.eval(), quantize, linear_kernel), tokenizer=tokenizer, name=name)
 
 
-# --- the linear layers: int8 weights, or float32 on oneDNN ------------------------------------------------------------
+# --- the linear layers: int8 weights, int8 weights and activations, or float32 on oneDNN ---------------------------
 
-QUANTIZE = {None: "the weights as loaded", "int8": "int8 linear weights, one scale per output channel (CPU)"}
+QUANTIZE = {None: "the weights as loaded", "int8": "int8 linear weights, one scale per output channel (CPU)",
+            "int8_dynamic": "int8 linear weights and int8 activations, one scale per position (x86 CPU, float32)"}
 LINEAR_KERNELS = {None: "torch's own matmul", "onednn": "oneDNN with each weight reordered once (CPU, float32)"}
 
 
@@ -100,20 +102,24 @@ def check_linear_layers(prefix: str, quantize: str | None, linear_kernel: str | 
     """The one check of the quantize and linear_kernel settings (the run's config check calls it with the model's
     key as prefix, "model." or "drafter.")."""
     if quantize not in QUANTIZE:
-        raise ConfigError(f"{prefix}quantize", quantize, "choose null (the weights as loaded) or int8")
-    if quantize == "int8" and (device != "cpu" or dtype not in ("float32", "bfloat16")):
-        raise ConfigError(f"{prefix}quantize", quantize, f"needs device cpu and dtype float32 or bfloat16 (torch's "
-                                                         f"int8 weight kernel), not {device} and {dtype}; use null")
+        raise ConfigError(f"{prefix}quantize", quantize, "choose null (the weights as loaded), int8 or int8_dynamic")
     if linear_kernel not in LINEAR_KERNELS:
         raise ConfigError(f"{prefix}linear_kernel", linear_kernel, "choose null (torch's own matmul) or onednn")
-    if linear_kernel == "onednn":
-        needs = {"device cpu": device == "cpu", "dtype float32": dtype == "float32", "quantize null": quantize is None,
-                 "a torch built with oneDNN": torch.backends.mkldnn.is_available()}
-        unmet = [need for need, met in needs.items() if not met]
-        if unmet:
+    on_cpu, float32 = device == "cpu", dtype == "float32"
+    needs = {  # what each setting needs, by its key and value
+        ("quantize", "int8"): {"device cpu": on_cpu, "dtype float32 or bfloat16": float32 or dtype == "bfloat16"},
+        ("quantize", "int8_dynamic"): {
+            "device cpu": on_cpu, "dtype float32": float32,
+            "torch's x86 quantized engine (fbgemm)": torch.backends.quantized.engine in ("x86", "fbgemm")},
+        ("linear_kernel", "onednn"): {"device cpu": on_cpu, "dtype float32": float32, "quantize null": quantize is None,
+                                      "a torch built with oneDNN": torch.backends.mkldnn.is_available()},
+    }
+    chosen = {"quantize": quantize, "linear_kernel": linear_kernel}
+    for (key, value), met in needs.items():
+        unmet = [need for need, ok in met.items() if not ok]
+        if chosen[key] == value and unmet:
             here = f"device {device}, dtype {dtype}, quantize {quantize or 'null'}"
-            raise ConfigError(f"{prefix}linear_kernel", linear_kernel,
-                              f"needs {', '.join(unmet)} (here {here}); use null")
+            raise ConfigError(f"{prefix}{key}", value, f"needs {', '.join(unmet)} (here {here}); use null")
 
 
 class Int8Linear(torch.nn.Module):
@@ -152,11 +158,48 @@ class OneDNNLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
 
 
+class DynamicInt8Linear(torch.nn.Module):
+    """A float32 linear layer computed in int8 by torch's x86 kernel (fbgemm): the weight stored in int8 with one
+    scale per output channel, each position's activations scaled to int8 at run time, products summed in int32. On
+    the AVX2-only AMD EPYC a drafter step ran 2.3-2.5x faster than float32 on oneDNN (README, Models). The kernel
+    scales its whole input by one range; dividing each position by its largest magnitude, and appending a row that
+    spans [-1, 1], fixes that range, so each position gets its own scale and its outputs do not depend on the other
+    positions in the pass (batch invariance, README: Engine). The laws move more than with int8 weights alone;
+    verification stays lossless, as for Int8Linear."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).double()
+        with warnings.catch_warnings():  # torch deprecates quantized tensors; 2.13's x86 kernel still packs from one
+            warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_channel")
+            quantized = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0,
+                                                   torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 weight, [out, in] (what callers read of a linear layer: its shape, dtype and device)."""
+        return torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        magnitude = rows.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        span = rows.new_zeros(1, rows.shape[1])
+        span[0, 0], span[0, 1] = 1.0, -1.0
+        # reduce_range: 7-bit activations, as torch's own dynamic linear, so that AVX2's paired u8 x s8 sums fit int16
+        y = torch.ops.quantized.linear_dynamic(torch.cat([rows / magnitude, span]), self.packed, True)[:-1] * magnitude
+        y = y.view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
 def with_linear_layers(model: transformers.PreTrainedModel, quantize: str | None,
                        linear_kernel: str | None) -> transformers.PreTrainedModel:
     """The model with every torch.nn.Linear (the output layer included) replaced as `quantize` or `linear_kernel`
     says (check_linear_layers allows at most one of them)."""
-    layer = Int8Linear if quantize == "int8" else OneDNNLinear if linear_kernel == "onednn" else None
+    layer = {"int8": Int8Linear, "int8_dynamic": DynamicInt8Linear}.get(quantize)
+    layer = OneDNNLinear if linear_kernel == "onednn" else layer
     if layer is not None:
         for module in list(model.modules()):
             for name, child in list(module.named_children()):

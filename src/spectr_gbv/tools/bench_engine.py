@@ -367,9 +367,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--drafter-dtype", choices=list(DTYPES), default=None,
                         help="the drafter's dtype (default: --dtype), e.g. bfloat16 for int8 weights with bfloat16 "
                              "activations beside a float32 target")
-    parser.add_argument("--drafter-quantize", choices=["int8"], default=None,
-                        help="the drafter's linear weights in int8 (the engine and transformers' assisted generation "
-                             "both draft with it)")
+    parser.add_argument("--drafter-quantize", choices=["int8", "int8_dynamic"], default=None,
+                        help="the drafter's linear layers in int8: its weights, or with int8_dynamic its weights and "
+                             "activations (the engine and transformers' assisted generation both draft with it)")
     parser.add_argument("--linear-kernel", choices=["onednn"], default=None,
                         help="linear layers on oneDNN: the target's (needs --dtype float32) and the drafter's when "
                              "it is float32 without --drafter-quantize (transformers' methods use the same models)")
