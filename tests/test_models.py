@@ -123,15 +123,6 @@ def test_int8_linear_is_the_matmul_with_its_int8_weights():
     assert (dequantized - linear.weight).abs().max() <= quantized_linear.scales.max() / 2 + 1e-7  # rounding
 
 
-def test_an_int8_drafter_keeps_its_laws_close():
-    drafter, int8 = tiny(seed=0, perturb=0.2), tiny(seed=0, perturb=0.2, quantize="int8")
-    assert isinstance(int8.model.lm_head, Int8Linear) and not any(
-        isinstance(module, torch.nn.Linear) for module in int8.model.modules())
-    ids = prompt_ids(drafter, " ".join(PROMPTS))
-    distance = 0.5 * (logits(drafter, ids).softmax(-1) - logits(int8, ids).softmax(-1)).abs().sum(-1)
-    assert 0 < distance.max() < 0.1  # total variation per position: changed, a little
-
-
 # --- int8 weights and activations ---------------------------------------------------------------------------------
 
 def test_a_dynamic_int8_linear_scales_each_position_on_its_own():
@@ -150,9 +141,10 @@ def test_a_dynamic_int8_linear_scales_each_position_on_its_own():
     assert quantized_linear.weight.dtype == torch.int8 and quantized_linear.weight.shape == (40, 64)
 
 
-def test_a_dynamic_int8_drafter_keeps_its_laws_close():
-    drafter, int8 = tiny(seed=0, perturb=0.2), tiny(seed=0, perturb=0.2, quantize="int8_dynamic")
-    assert isinstance(int8.model.lm_head, DynamicInt8Linear) and not any(
+@pytest.mark.parametrize("quantize, layer", [("int8", Int8Linear), ("int8_dynamic", DynamicInt8Linear)])
+def test_an_int8_drafter_keeps_its_laws_close(quantize, layer):
+    drafter, int8 = tiny(seed=0, perturb=0.2), tiny(seed=0, perturb=0.2, quantize=quantize)
+    assert isinstance(int8.model.lm_head, layer) and not any(
         isinstance(module, torch.nn.Linear) for module in int8.model.modules())
     ids = prompt_ids(drafter, " ".join(PROMPTS))
     distance = 0.5 * (logits(drafter, ids).softmax(-1) - logits(int8, ids).softmax(-1)).abs().sum(-1)
