@@ -122,6 +122,11 @@ def check_linear_layers(prefix: str, quantize: str | None, linear_kernel: str | 
             raise ConfigError(f"{prefix}{key}", value, f"needs {', '.join(unmet)} (here {here}); use null")
 
 
+def int8_scales(weight: torch.Tensor) -> torch.Tensor:
+    """One scale per output channel that maps its largest weight to +-127 (never 0: an all-zero row stays zero)."""
+    return weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+
+
 class Int8Linear(torch.nn.Module):
     """A linear layer whose weight is stored in int8 with one scale per output channel, computed by torch's CPU
     weight-only kernel with activations in the model's dtype. On a CPU a drafter's step of a few positions reads its
@@ -131,7 +136,7 @@ class Int8Linear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()
-        scales = weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        scales = int8_scales(weight)
         self.register_buffer("weight", (weight / scales[:, None]).round().to(torch.int8))
         self.register_buffer("scales", scales.to(linear.weight.dtype))
         self.bias = linear.bias
@@ -170,7 +175,7 @@ class DynamicInt8Linear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()
-        scales = (weight.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).double()
+        scales = int8_scales(weight).double()
         with warnings.catch_warnings():  # torch deprecates quantized tensors; 2.13's x86 kernel still packs from one
             warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_channel")
             quantized = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0,

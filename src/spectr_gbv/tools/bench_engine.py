@@ -24,7 +24,15 @@ from transformers import GenerationConfig
 
 from spectr_gbv.decoding.costs import BareCosts, machine
 from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine
-from spectr_gbv.decoding.models import DTYPES, LoadedModel, check_linear_layers, packaged, tiny
+from spectr_gbv.decoding.models import (
+    DTYPES,
+    LINEAR_KERNELS,
+    QUANTIZE,
+    LoadedModel,
+    check_linear_layers,
+    packaged,
+    tiny,
+)
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError
 
@@ -367,10 +375,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--drafter-dtype", choices=list(DTYPES), default=None,
                         help="the drafter's dtype (default: --dtype), e.g. bfloat16 for int8 weights with bfloat16 "
                              "activations beside a float32 target")
-    parser.add_argument("--drafter-quantize", choices=["int8", "int8_dynamic"], default=None,
+    parser.add_argument("--drafter-quantize", choices=[name for name in QUANTIZE if name], default=None,
                         help="the drafter's linear layers in int8: its weights, or with int8_dynamic its weights and "
                              "activations (the engine and transformers' assisted generation both draft with it)")
-    parser.add_argument("--linear-kernel", choices=["onednn"], default=None,
+    parser.add_argument("--linear-kernel", choices=[name for name in LINEAR_KERNELS if name], default=None,
                         help="linear layers on oneDNN: the target's (needs --dtype float32) and the drafter's when "
                              "it is float32 without --drafter-quantize (transformers' methods use the same models)")
     args = parser.parse_args(argv)
