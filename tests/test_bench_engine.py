@@ -26,10 +26,24 @@ def test_tiny_run_prints_machine_limits_costs_and_batches(capsys, restore_thread
                     "rows/pass", "ar tok/s", "vs ar"]:
         assert heading in out
     assert "gbv K=2 L=2" in out and "same tokens as B=1" in out
+    # the greedy table's hooks count every model's passes: the engine's token K=1 runs L = 2 drafter passes per
+    # target call, ar and generate() none
+    greedy = {row["method"]: row for row in table_rows(out[:out.index("Sampling (T=1)")])}
+    assert greedy["token K=1 L=2"]["drafter fwds"] == "2.00"
+    assert greedy["ar"]["drafter fwds"] == greedy["transformers generate()"]["drafter fwds"] == "0.00"
     # B = 1, 2, 4 on 4 prompts (not 8); float64, so every B emits the tokens of B = 1
     batch = out[out.index("Batch throughput"):]
     assert [line.split()[1] for line in batch.splitlines() if line.startswith("│")] == ["1", "2", "4"]
     assert all(line.split()[-2] == "yes" for line in batch.splitlines() if line.startswith("│"))
+
+
+def table_rows(text: str) -> list[dict[str, str]]:
+    """The body rows of the first rich table in text, by column heading."""
+    def cells(line, bar):
+        return [cell.strip() for cell in line.strip(bar).split(bar)]
+    lines = text.splitlines()
+    heading = cells(next(line for line in lines if line.startswith("┃")), "┃")
+    return [dict(zip(heading, cells(line, "│"))) for line in lines if line.startswith("│")]
 
 
 def test_a_batch_pass_holds_the_rows_still_decoding():

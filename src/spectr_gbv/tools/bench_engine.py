@@ -10,12 +10,17 @@ models), after one line naming the machine (CPU, its bf16 matrix units, threads,
     against the ratio to B = 1 that bare passes over the rows each pass held allow, and against `ar` at the same B;
     every B runs twice, there and back.
 Speedups are ratios to `ar` at the same temperature, measured in this run. Methods run prompt by prompt, in turn, so
-noise from other processes hits all alike. Prompt i always draws from a generator seeded i. Target calls of
-transformers' runs are counted with a forward hook, so their block efficiency is measured as the engine's.
+noise from other processes hits all alike. Prompt i always draws from a generator seeded i. Every method's forward
+passes of each model are counted and timed by forward hooks, the same clock for the engine and transformers: their
+block efficiencies are measured alike, and the greedy part shows what each spends per target call inside the models'
+forwards and outside them.
 """
 import argparse
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from rich.console import Console
@@ -88,9 +93,14 @@ class Row(Totals):
     temperature: float
     records: list[DecodeRecord]
     num_drafts: int = 0  # 0: not a gbv row, no cost-model limit
+    passes: Counter = field(default_factory=Counter)  # forward passes of "target" and "drafter", over all records
+    pass_seconds: Counter = field(default_factory=Counter)  # and the seconds spent inside them
 
     def per_call_ms(self, key: str) -> float:
         return 1e3 * self.total(key) / self.total("target_calls")
+
+    def pass_ms_per_call(self, model: str) -> float:
+        return 1e3 * self.pass_seconds[model] / self.total("target_calls")
 
     @property
     def tokens_per_second(self) -> float:
@@ -133,6 +143,29 @@ def engine_method(target, drafter, verifier, max_new_tokens, temperature, num_dr
     return lambda prompt, seed: engine.generate(prompt, max_new_tokens, torch.Generator().manual_seed(seed))
 
 
+@contextmanager
+def clocked(models: dict[str, torch.nn.Module], passes: Counter, seconds: Counter) -> Iterator[None]:
+    """Within it, every forward pass of each model is counted into passes[name] and timed into seconds[name]."""
+    started = {}
+
+    def start(name):
+        return lambda *_: started.__setitem__(name, time.perf_counter())
+
+    def stop(name):
+        def add(*_):
+            passes[name] += 1
+            seconds[name] += time.perf_counter() - started[name]
+        return add
+
+    hooks = [hook for name, model in models.items() for hook in (model.register_forward_pre_hook(start(name)),
+                                                                  model.register_forward_hook(stop(name)))]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def transformers_method(target, max_new_tokens, assistant=None, block_length=4):
     """Greedy generate(), or assisted generation drafting block_length tokens per call."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
@@ -144,17 +177,14 @@ def transformers_method(target, max_new_tokens, assistant=None, block_length=4):
         assistant.model.generation_config.assistant_confidence_threshold = 0.0
 
     def decode(prompt: list[int], seed: int) -> DecodeRecord:
-        calls = []  # target forward passes, counted by a hook: block efficiency measured as the engine's
-        hook = target.model.register_forward_hook(lambda *_: calls.append(1))
-        try:
+        calls = Counter()  # target forward passes: block efficiency measured as the engine's
+        with clocked({"target": target.model}, calls, Counter()):
             start = time.perf_counter()
             output = target.model.generate(torch.tensor([prompt], device=target.model.device), generation_config=config,
                                            assistant_model=None if assistant is None else assistant.model)
             elapsed = time.perf_counter() - start
-        finally:
-            hook.remove()
         new = output[0, len(prompt):].tolist()
-        return DecodeRecord(output_ids=new, new_tokens=len(new), target_calls=len(calls), total_time=elapsed)
+        return DecodeRecord(output_ids=new, new_tokens=len(new), target_calls=calls["target"], total_time=elapsed)
 
     return decode
 
@@ -171,9 +201,11 @@ def benchmark(target, drafter, prompts, max_new_tokens, block_length, max_drafts
          for K in range(1, max_drafts + 1)]
     # Prompt by prompt, every method in turn: a busy spell of other processes on the machine then slows all
     # methods alike instead of the few that happened to run during it.
+    models = {"target": target.model, "drafter": drafter.model}
     for i, prompt in enumerate(prompts):
         for row, decode in methods:
-            row.records.append(decode(prompt, i))
+            with clocked(models, row.passes, row.pass_seconds):
+                row.records.append(decode(prompt, i))
             console.log(f"prompt {i + 1}/{len(prompts)}, {row.method} at T={row.temperature:g}: "
                         f"{row.records[-1].new_tokens / row.records[-1].total_time:.2f} tokens/s")
     return [row for row, _ in methods]
@@ -270,15 +302,18 @@ def new_table(title: str, columns: list[str]) -> Table:
 
 def report_greedy(rows: list[Row], title: str, console: Console) -> None:
     generate, ar, assisted, token = rows
-    table = new_table(f"Greedy (T=0): the engine vs transformers\n{title}",
-                      ["method", "tokens", "tok/s", "speedup vs ar", "block eff.", "ms/target call", "draft s",
-                       "target s", "verify s", "total s"])
+    table = new_table(f"Greedy (T=0): the engine vs transformers; per target call, the models' forward passes (timed "
+                      f"by hooks alike for all) and the time outside them\n{title}",
+                      ["method", "tokens", "tok/s", "speedup vs ar", "block eff.", "ms/target call",
+                       "target fwd ms", "drafter fwds", "drafter fwd ms", "outside ms", "total s"])
     for row in rows:
-        split = ["-"] * 3 if row.method.startswith("transformers") else [
-            f"{row.total(key):.2f}" for key in ("draft_time", "target_time", "verify_time")]
+        calls = row.total("target_calls")
+        inside = row.pass_ms_per_call("target") + row.pass_ms_per_call("drafter")
         table.add_row(row.method, str(int(row.total("new_tokens"))), f"{row.tokens_per_second:.2f}",
                       f"{row.tokens_per_second / ar.tokens_per_second:.2f}x", f"{row.block_efficiency:.2f}",
-                      f"{row.per_call_ms('total_time'):.1f}", *split, f"{row.total('total_time'):.2f}")
+                      f"{row.per_call_ms('total_time'):.1f}", f"{row.pass_ms_per_call('target'):.1f}",
+                      f"{row.passes['drafter'] / calls:.2f}", f"{row.pass_ms_per_call('drafter'):.1f}",
+                      f"{row.per_call_ms('total_time') - inside:.1f}", f"{row.total('total_time'):.2f}")
     console.print(table)
     console.print(f"ar / generate() tokens/s: {ar.tokens_per_second / generate.tokens_per_second:.2f} "
                   f"(same tokens: {yes(same_outputs(ar.records, generate.records))}); token K=1 / assisted tokens/s: "
