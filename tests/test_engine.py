@@ -3,6 +3,7 @@ first tokens, KV caches that equal a fresh prefill, and the per-sequence record.
 
 import collections
 import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -147,13 +148,33 @@ def generators(n: int, seed: int = 0) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(seed + i) for i in range(n)]
 
 
-def test_a_block_is_cut_at_eos(greedy_pair, greedy_reference):
-    """With the target as its own drafter the first block emits L + 1 = 5 tokens; EOS is the third."""
+@contextmanager
+def passes_of(**models):
+    """Counts each model's forward passes within it, by name."""
+    counts = dict.fromkeys(models, 0)
+    hooks = [loaded.model.register_forward_hook(lambda *_, name=name: counts.update({name: counts[name] + 1}))
+             for name, loaded in models.items()]
+    try:
+        yield counts
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_drafting_stops_at_eos_and_at_max_new_tokens(greedy_pair, greedy_reference):
+    """With the target's twin as drafter the first block drafts the greedy path, EOS third: the fourth token is not
+    drafted (PAD_TOKEN, rejected; its step runs no pass) and the block is cut at EOS. With 2 tokens left the
+    iteration drafts one token: its first drafter pass only."""
     target, _, prompts = greedy_pair
-    engine = SpeculativeEngine(target, target, "token", block_length=4, sampling=Sampling(temperature=0.0))
-    record = engine.generate(prompts[EOS_PROMPT], MAX_NEW, torch.Generator().manual_seed(0))
-    assert record.accepted_lengths == [4] and record.output_ids == greedy_reference[EOS_PROMPT]
-    assert record.new_tokens == EOS_STEP + 1 and record.output_ids[-1] in engine.eos_ids
+    twin = tiny(seed=0, dtype="float64")
+    engine = SpeculativeEngine(target, twin, "token", block_length=4, sampling=Sampling(temperature=0.0))
+    with passes_of(drafter=twin) as passes:
+        record = engine.generate(prompts[EOS_PROMPT], MAX_NEW, torch.Generator().manual_seed(0))
+    assert record.accepted_lengths == [3] and record.output_ids == greedy_reference[EOS_PROMPT]
+    assert record.new_tokens == EOS_STEP + 1 and record.output_ids[-1] in engine.eos_ids and passes["drafter"] == 3
+    with passes_of(drafter=twin) as passes:
+        record = engine.generate(prompts[0], 2, torch.Generator().manual_seed(0))
+    assert record.output_ids == greedy_reference[0][:2] and record.accepted_lengths == [1] and passes["drafter"] == 1
 
 
 def test_the_target_scores_each_distinct_trie_node_once(greedy_pair):
@@ -166,18 +187,16 @@ def test_the_target_scores_each_distinct_trie_node_once(greedy_pair):
 
 
 def test_the_prompt_costs_no_pass_of_its_own(greedy_pair):
-    """The first iteration reads the prompt in its own passes: one target pass per iteration, L drafter steps."""
+    """The first iteration reads the prompt in its own passes: one target pass per iteration, L drafter steps (fewer
+    only where fewer tokens can be kept: budget - 1 of them when max_new_tokens leaves budget <= L)."""
     target, drafter, prompts = greedy_pair
-    engine = SpeculativeEngine(target, drafter, "token", num_drafts=1, block_length=4, sampling=Sampling(0.0))
-    passes = {"target": 0, "drafter": 0}
-    hooks = [loaded.model.register_forward_hook(lambda *_, side=side: passes.update({side: passes[side] + 1}))
-             for side, loaded in (("target", target), ("drafter", drafter))]
-    try:
+    L = 4
+    engine = SpeculativeEngine(target, drafter, "token", num_drafts=1, block_length=L, sampling=Sampling(0.0))
+    with passes_of(target=target, drafter=drafter) as passes:
         record = engine.generate(prompts[0], MAX_NEW, torch.Generator().manual_seed(0))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert passes == {"target": record.target_calls, "drafter": 4 * record.target_calls}
+    budgets = [MAX_NEW - sum(record.accepted_lengths[:i]) - i for i in range(record.target_calls)]
+    assert passes == {"target": record.target_calls, "drafter": sum(max(1, min(L, budget - 1)) for budget in budgets)}
+    assert budgets[-1] <= L  # the last iteration drafted fewer
     assert record.prefill_tokens == record.accepted_lengths[0] + 1 and record.prefill_time > 0
 
 
@@ -251,10 +270,12 @@ class CorrectionFromTarget(Verifier):
 
 @pytest.mark.parametrize("name, K, L, lossless, batch_size", [
     ("token", 1, 2, True, 1), ("gbv", 3, 2, True, 1), ("correction_from_target", 1, 2, False, 1),
-    ("token", 1, 2, True, 50), ("gbv", 3, 2, True, 50), ("correction_from_target", 1, 2, False, 50)])
+    ("token", 1, 2, True, 50), ("gbv", 3, 2, True, 50), ("correction_from_target", 1, 2, False, 50),
+    ("token", 1, 4, True, 1), ("gbv", 3, 4, True, 50)])
 def test_first_tokens_follow_the_target_law(small_pair, name, K, L, lossless, batch_size):
     """The exact law of the first 3 tokens, one prompt at a time and 50 copies per batch (rows that end at EOS
-    leave while the others go on)."""
+    leave while the others go on). At L=4 the first block is longer than the 3 tokens asked for: its last two tokens
+    are not drafted (PAD_TOKEN for sure), and neither are tokens after a drafted EOS."""
     target, drafter = small_pair
     verifier = "token" if name == "correction_from_target" else name
     sampling = Sampling(temperature=1.0, draft_temperature=0.5)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spectr_gbv.decoding.cache import SlotCache
+from spectr_gbv.decoding.cache import PAD_TOKEN, SlotCache
 from spectr_gbv.decoding.costs import emulated_bfloat16
 from spectr_gbv.decoding.draft_tree import node_labels, nodes_at, on_path, representatives
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
@@ -103,6 +103,10 @@ class Rows:
             if accepted is not None:
                 record.accepted_lengths.append(accepted[row])
                 record.draft_indices.append(drafts[row])
+
+    def budgets(self) -> list[int]:
+        """Tokens each row may still emit."""
+        return [self.max_new_tokens - len(self.records[index].output_ids) for index in self.active]
 
     def emit(self, tokens: list[list[int]]) -> Tensor | None:
         """Append each row's new tokens up to the first EOS and up to max_new_tokens; finished rows leave. Returns
@@ -253,19 +257,30 @@ class SpeculativeEngine:
     def _draft(self, cache: SlotCache, rows: Rows) -> tuple[Tensor, Tensor]:
         """K i.i.d. blocks of L tokens per row [B, K, L] and the warped q each token was sampled from [B, K, L, V].
         The first token's law depends on committed tokens only: one query per row gives it to all K drafts; from
-        then on each step feeds the distinct nodes of the depth drafted last."""
+        then on each step feeds the distinct nodes of the depth drafted last. Drafting stops where transformers'
+        assisted generation stops: a row keeps at most budget - 1 drafted tokens (its iteration emits at most
+        budget tokens), and a draft ends at an EOS. Past that, the token is PAD_TOKEN for sure, and a step no draft
+        needs runs no pass. That is still a drafter law, decided by the row's own tokens and budget, so every
+        verifier stays lossless and rows stay batch invariant (docs/algorithms.md §1.2)."""
         B, K, L = len(rows), self.num_drafts, self.block_length
-        q = self._draft_warp(cache.append(rows.ids))[:, None].expand(B, K, -1)
+        budget = torch.tensor(rows.budgets(), device=cache.lengths.device)[:, None]
+        eos = torch.tensor(sorted(self.eos_ids), device=cache.lengths.device)
+        drafting = (budget > 1).expand(B, K)
+        q = padded(self._draft_warp(cache.append(rows.ids))[:, None].expand(B, K, -1), drafting)
         drafted, probs = [sample(q, rows.generators)], [q]
         batch = torch.arange(B, device=q.device)[:, None]
         for depth in range(1, L):
-            tokens = torch.stack(drafted, -1)
-            first = representatives(tokens, L)
-            draft, node_depth, real, slot = nodes_at(first, range(depth - 1, depth))
-            position = cache.lengths[:, None] + node_depth  # the committed length is the first draft position
-            logits = cache.forward(tokens[batch, draft, node_depth], node_labels(draft, node_depth, real, L),
-                                   position, first)
-            q = self._draft_warp(logits)[batch, slot[..., 0]]
+            drafting = drafting & (budget > depth + 1) & ~torch.isin(drafted[-1], eos)
+            q = probs[0]  # a stand-in when no draft needs this step: padded() turns all of it into PAD_TOKEN
+            if drafting.any():
+                tokens = torch.stack(drafted, -1)
+                first = representatives(tokens, L)
+                draft, node_depth, real, slot = nodes_at(first, range(depth - 1, depth))
+                position = cache.lengths[:, None] + node_depth  # the committed length is the first draft position
+                logits = cache.forward(tokens[batch, draft, node_depth], node_labels(draft, node_depth, real, L),
+                                       position, first)
+                q = self._draft_warp(logits)[batch, slot[..., 0]]
+            q = padded(q, drafting)
             drafted.append(sample(q, rows.generators))
             probs.append(q)
         return torch.stack(drafted, -1), torch.stack(probs, 2)
@@ -293,6 +308,15 @@ class SpeculativeEngine:
 
     def _draft_warp(self, logits: Tensor) -> Tensor:
         return warp(logits, self.sampling.drafter_temperature, self.sampling.top_k, self.sampling.top_p)
+
+
+def padded(q: Tensor, drafting: Tensor) -> Tensor:
+    """q [B, K, V] where drafting [B, K] holds, elsewhere the one-hot of PAD_TOKEN."""
+    if bool(drafting.all()):
+        return q
+    pad = torch.zeros_like(q)
+    pad[..., PAD_TOKEN] = 1
+    return torch.where(drafting[..., None], q, pad)
 
 
 def select_state_rows(state, rows: Tensor):
