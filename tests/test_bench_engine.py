@@ -26,10 +26,11 @@ def test_tiny_run_prints_machine_limits_costs_and_batches(capsys, restore_thread
                     "rows/pass", "ar tok/s", "vs ar"]:
         assert heading in out
     assert "gbv K=2 L=2" in out and "same tokens as B=1" in out
-    # the greedy table's hooks count every model's passes: the engine's token K=1 runs L = 2 drafter passes per
-    # target call, ar and generate() none
+    # the greedy table's hooks count every model's passes: the engine's token K=1 and assisted generation run up to
+    # L = 2 drafter passes per target call (fewer where fewer tokens can be kept), ar and generate() none
     greedy = {row["method"]: row for row in table_rows(out[:out.index("Sampling (T=1)")])}
-    assert greedy["token K=1 L=2"]["drafter fwds"] == "2.00"
+    assert 1 <= float(greedy["token K=1 L=2"]["drafter fwds"]) <= 2
+    assert 1 <= float(greedy["transformers assisted, L=2"]["drafter fwds"]) <= 2
     assert greedy["ar"]["drafter fwds"] == greedy["transformers generate()"]["drafter fwds"] == "0.00"
     # B = 1, 2, 4 on 4 prompts (not 8); float64, so every B emits the tokens of B = 1
     batch = out[out.index("Batch throughput"):]
