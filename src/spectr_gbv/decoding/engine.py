@@ -261,7 +261,7 @@ class SpeculativeEngine:
         assisted generation stops: a row keeps at most budget - 1 drafted tokens (its iteration emits at most
         budget tokens), and a draft ends at an EOS. Past that, the token is PAD_TOKEN for sure, and a step no draft
         needs runs no pass. That is still a drafter law, decided by the row's own tokens and budget, so every
-        verifier stays lossless and rows stay batch invariant (docs/algorithms.md §1.2)."""
+        verifier stays lossless and rows stay batch invariant (docs/algorithms.md §11, item 7)."""
         B, K, L = len(rows), self.num_drafts, self.block_length
         budget = torch.tensor(rows.budgets(), device=cache.lengths.device)[:, None]
         eos = torch.tensor(sorted(self.eos_ids), device=cache.lengths.device)
