@@ -11,7 +11,7 @@ from conftest import CONF, TINY
 from spectr_gbv.errors import ConfigError
 from spectr_gbv.experiment.config import validate
 from spectr_gbv.decoding.models import LoadedModel
-from spectr_gbv.verifiers import VERIFIERS
+from spectr_gbv.verifiers import CHOICES, VERIFIERS
 
 MODEL_TARGETS = {"qwen": "spectr_gbv.decoding.models.packaged", "smollm2": "spectr_gbv.decoding.models.packaged",
                  "hf": "spectr_gbv.decoding.models.pretrained", "tiny": "spectr_gbv.decoding.models.tiny"}
@@ -40,7 +40,7 @@ def test_model_options(make_cfg, side, option):
 
 
 def test_every_verifier_has_a_config():
-    assert set(options("verifier")) == set(VERIFIERS) | {"ar"}
+    assert set(options("verifier")) == set(CHOICES) | {"ar"}
 
 
 @pytest.mark.parametrize("option", options("verifier"))

@@ -16,9 +16,8 @@ from spectr_gbv.decoding.cache import COMMITTED, SlotCache, only_where, position
 from spectr_gbv.decoding.engine import SpeculativeEngine
 from spectr_gbv.decoding.models import tiny
 from spectr_gbv.decoding.sampling import Sampling, warp
-from spectr_gbv.verifiers import Verifier, VerifierOutput, build_verifier
+from spectr_gbv.verifiers import VERIFIERS, Verifier, VerifierOutput, build_verifier, verifier_names
 from spectr_gbv.verifiers.base import sample
-from spectr_gbv.verifiers.reference import LOSSLESS, SINGLE_DRAFT
 
 MAX_NEW = 16
 PROMPTS = ["hello world", "The quick brown", "a"]
@@ -108,8 +107,8 @@ def test_ar_is_transformers_greedy(greedy_pair, greedy_reference):
     assert any(len(out) == MAX_NEW for out in greedy_reference)  # and another is cut at max_new_tokens
 
 
-GREEDY_CASES = [(name, K, L) for name in sorted(LOSSLESS) for K in (1, 3) for L in (1, 4)
-                if not (K > 1 and name in SINGLE_DRAFT)]
+GREEDY_CASES = [(name, K, L) for name in sorted(verifier_names(lossless=True)) for K in (1, 3) for L in (1, 4)
+                if K == 1 or VERIFIERS[name].max_drafts is None]
 
 
 @pytest.mark.parametrize("name, K, L", GREEDY_CASES)

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from scipy.optimize import linprog
 
+from spectr_gbv.verifiers import VERIFIERS, verifier_names
 from spectr_gbv.verifiers import reference as ref
 from spectr_gbv.verifiers.reference import (
     ANCHORS,
-    LOSSLESS,
-    SINGLE_DRAFT,
     RandModel,
     accepted_law,
     alpha_star,
@@ -51,11 +50,11 @@ def random_pair(vocab, seed):
 
 
 def drafts_for(name, K):
-    return 1 if name in SINGLE_DRAFT else K
+    return 1 if VERIFIERS[name].max_drafts == 1 else K
 
 
 # --- losslessness -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", LOSSLESS)
+@pytest.mark.parametrize("name", verifier_names(lossless=True))
 @pytest.mark.parametrize("vocab,L,K", SHAPES)
 def test_lossless_verifiers_give_the_target_law(name, vocab, L, K):
     for seed in range(2):
@@ -76,13 +75,13 @@ def gbv_without_modification(p, q, drafts):
 
 @pytest.mark.parametrize("vocab,L,K,iterations", [(2, 3, 1, 1), (2, 3, 2, 1), (3, 2, 1, 2), (2, 2, 2, 2)])
 def test_gbv_without_its_modification_is_caught(monkeypatch, vocab, L, K, iterations):
-    monkeypatch.setitem(ref.VERIFIERS, "gbv_unmodified", gbv_without_modification)
+    monkeypatch.setitem(ref.LAWS, "gbv_unmodified", gbv_without_modification)
     p, q = random_pair(vocab, seed=7)
     assert law_error("gbv_unmodified", p, q, L, K, iterations=iterations, n=2 * L + 1) > 1e-3
 
 
 def test_gbv_without_its_modification_on_the_toy_example(monkeypatch):
-    monkeypatch.setitem(ref.VERIFIERS, "gbv_unmodified", gbv_without_modification)
+    monkeypatch.setitem(ref.LAWS, "gbv_unmodified", gbv_without_modification)
     p, q, L, _ = anchor("A")
     assert law_error("gbv_unmodified", p, q, L, 1) == pytest.approx(0.074, abs=5e-4)  # docs/algorithms.md §4.2
 
@@ -98,7 +97,7 @@ def one_hot_target(vocab, seed):
     return lambda prefix: np.eye(vocab)[np.argmax(base(prefix))]
 
 
-@pytest.mark.parametrize("name", ref.VERIFIERS)
+@pytest.mark.parametrize("name", ref.LAWS)
 @pytest.mark.parametrize("vocab,L,K", [(3, 2, 2), (2, 3, 2), (3, 3, 1)])
 def test_temperature_zero_is_exact_for_every_verifier(name, vocab, L, K):
     p, (_, q) = one_hot_target(vocab, seed=1), random_pair(vocab, seed=1)
@@ -175,7 +174,7 @@ def test_no_lossless_verifier_beats_the_bound(vocab, L, K):
     p, q = random_pair(vocab, seed=6)
     bound = bound_sum(p, q, L, K)
     assert claimed_C(p, q, L, K) <= bound + EXACT
-    for name in LOSSLESS:
+    for name in verifier_names(lossless=True):
         assert expected_accepted(name, p, q, L, drafts_for(name, K)) <= bound + EXACT, name
     # with one draft the greedy rule reaches its bound in the first iteration (the audit's "of bound" = 100%)
     assert expected_accepted("gbv", p, q, L, 1) == pytest.approx(bound_sum(p, q, L, 1), abs=EXACT)

@@ -5,14 +5,14 @@ import pytest
 import torch
 from scipy import stats
 
-from spectr_gbv.verifiers import VERIFIERS, build_verifier, optimal_acceptance
+from spectr_gbv.verifiers import ALIASES, VERIFIERS, build_verifier, optimal_acceptance, verifier_names
 from spectr_gbv.verifiers import base, block, reference, tree
 from spectr_gbv.verifiers.block import bv_acceptance
 from spectr_gbv.verifiers.greedy import greedy_acceptance
 from toy_streams import ToyModel, generate_streams, law_p_value
 
-LOSSLESS = [name for name, cls in VERIFIERS.items() if cls.lossless]
-MULTI_DRAFT = [name for name, cls in VERIFIERS.items() if cls.max_drafts is None]
+LOSSLESS = verifier_names(lossless=True)
+MULTI_DRAFT = verifier_names(multi_draft=True)
 P_MIN = 1e-6  # chi-square threshold: a correct verifier fails with probability below 1e-6
 
 
@@ -38,14 +38,15 @@ def truncate(weights, below):
 # ---- contract ---------------------------------------------------------------------------------------------------
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match="valid names: token, bv, gbv"):
+    with pytest.raises(ValueError, match="verifier=gvb: unknown verifier; choose one of token, bv, gbv"):
         build_verifier("gvb")
 
 
 def test_lossless_flags_and_alias():
     assert not VERIFIERS["spectr_gbv_paper"].lossless
-    assert VERIFIERS["spectr_gbv"] is VERIFIERS["gbv"]
-    assert set(LOSSLESS) == {"token", "bv", "gbv", "spectr_gbv", "spectr", "specinfer", "nss", "multipath"}
+    assert build_verifier("spectr_gbv").__class__ is VERIFIERS[ALIASES["spectr_gbv"]] is VERIFIERS["gbv"]
+    assert set(LOSSLESS) == {"token", "bv", "gbv", "spectr", "specinfer", "nss", "multipath"}
+    assert set(reference.LAWS) == set(VERIFIERS)  # the exact reference covers every built-in
 
 
 @pytest.mark.parametrize("name", ["token", "bv"])
@@ -217,7 +218,7 @@ def toy_pair(vocab, seed, one_hot=False):
 
 
 @pytest.mark.parametrize("vocab, seed, K, L", STREAM_CASES)
-@pytest.mark.parametrize("name", [n for n in LOSSLESS if n != "spectr_gbv"])
+@pytest.mark.parametrize("name", LOSSLESS)
 def test_lossless_verifiers_give_the_target_law_of_whole_streams(name, vocab, seed, K, L):
     target, drafter = toy_pair(vocab, seed)
     samples, _ = generate_streams(build_verifier(name), target, drafter, rows=10_000,
@@ -249,7 +250,7 @@ def test_published_rule_is_biased_at_positive_temperature():
     assert law_p_value(samples, target.law(3)) < P_MIN
 
 
-@pytest.mark.parametrize("name", [n for n in VERIFIERS if n != "spectr_gbv"])
+@pytest.mark.parametrize("name", VERIFIERS)
 @pytest.mark.parametrize("K, L", [(1, 1), (3, 4)])
 def test_temperature_zero_emits_the_greedy_path(name, K, L):
     """One-hot targets: every lossless verifier, and the published rule too, emits exactly the greedy tokens."""
@@ -263,7 +264,7 @@ def test_temperature_zero_emits_the_greedy_path(name, K, L):
 # ---- the anchors (docs/algorithms.md §12): mean accepted count of the first iteration ------------------------
 
 # every verifier once, and gbv with one draft as well; single-draft verifiers run at K = 1
-ANCHOR_COLUMNS = [name for name in VERIFIERS if name != "spectr_gbv"] + ["gbv@1"]
+ANCHOR_COLUMNS = list(VERIFIERS) + ["gbv@1"]
 
 
 @pytest.mark.parametrize("anchor", reference.ANCHORS)
@@ -315,7 +316,7 @@ def test_block_posteriors_match_reference(name, seed):
     np.testing.assert_allclose(h[0].numpy(), reference.block_acceptance(name, p_model, q_model, draft), atol=1e-12)
 
 
-@pytest.mark.parametrize("name", [n for n in VERIFIERS if n != "spectr_gbv"])
+@pytest.mark.parametrize("name", VERIFIERS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_outcome_law_given_the_drafts_matches_reference(name, seed):
     """Conditional on fixed drafts, the batched verifier's (accepted prefix, extra token) law equals the exact one."""

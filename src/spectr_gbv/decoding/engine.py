@@ -27,7 +27,7 @@ from spectr_gbv.decoding.draft_tree import node_labels, nodes_at, on_path, repre
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.decoding.sampling import Sampling, warp
 from spectr_gbv.errors import ConfigError
-from spectr_gbv.verifiers import VERIFIERS, build_verifier
+from spectr_gbv.verifiers import build_verifier, verifier_class
 from spectr_gbv.verifiers.base import sample
 
 
@@ -138,13 +138,12 @@ class Rows:
 
 def check_settings(verifier: str, num_drafts: int, block_length: int, max_new_tokens: int = 1) -> None:
     """The one check of the engine's knobs, also run on the run's config before any model loads."""
-    if verifier != "ar" and verifier not in VERIFIERS:
-        raise ConfigError("verifier", verifier, f"unknown verifier; choose one of ar, {', '.join(sorted(VERIFIERS))}")
+    cls = None if verifier == "ar" else verifier_class(verifier)
     for key, value in [("num_drafts", num_drafts), ("block_length", block_length), ("max_new_tokens", max_new_tokens)]:
         if not (isinstance(value, int) and value >= 1):
             raise ConfigError(key, value, "must be >= 1")
-    if verifier != "ar":
-        VERIFIERS[verifier].check_num_drafts(num_drafts)
+    if cls is not None:
+        cls.check_num_drafts(num_drafts)
 
 
 class SpeculativeEngine:

@@ -37,11 +37,9 @@ from spectr_gbv.decoding.engine import eos_ids
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, packaged, tiny
 from spectr_gbv.decoding.sampling import warp
 from spectr_gbv.tools.report import audit_table
+from spectr_gbv.verifiers import VERIFIERS, verifier_names
 from spectr_gbv.verifiers.reference import (
     ANCHORS,
-    LOSSLESS,
-    SINGLE_DRAFT,
-    VERIFIERS,
     RandModel,
     TableModel,
     anchor,
@@ -76,8 +74,8 @@ INSTANCES = {  # title: (target p, drafter q, L, K)
 
 def rows(K):
     """(verifier, number of drafts): single-draft rules and gbv at K=1, then every multi-draft rule at K."""
-    single = [(name, 1) for name in SINGLE_DRAFT] + [("gbv", 1)]
-    return single + [(name, K) for name in VERIFIERS if name not in SINGLE_DRAFT]
+    single = [(name, 1) for name in verifier_names(multi_draft=False)] + [("gbv", 1)]
+    return single + [(name, K) for name in verifier_names(multi_draft=True)]
 
 
 def instance_table(title, p, q, L, K):
@@ -87,7 +85,7 @@ def instance_table(title, p, q, L, K):
     bounds = {k: bound_sum(p, q, L, k) for k in (1, K)}  # the rows use one draft or K
     for name, k in rows(K):
         accepted = expected_accepted(name, p, q, L, k)
-        table.add_row(name, str(k), "yes" if name in LOSSLESS else "NO", f"{accepted:.6f}",
+        table.add_row(name, str(k), "yes" if VERIFIERS[name].lossless else "NO", f"{accepted:.6f}",
                       f"{accepted / bounds[k]:.1%}", f"{accepted + 1:.6f}", f"{law_error(name, p, q, L, k):.1e}")
     table.caption = Text(f"bound sum_t alpha*_t = {bounds[K]:.6f}   "
                          f"paper's claimed C_L(K) = {claimed_C(p, q, L, K):.6f}")
@@ -192,7 +190,7 @@ def build_instances(target: LoadedModel, drafter: LoadedModel, prompts: list[lis
 
 def real_rows(drafts):
     """(verifier, K): single-draft rules at K=1 only, every other rule (gbv included) at each K."""
-    return [(name, k) for k in drafts for name in VERIFIERS if k == 1 or name not in SINGLE_DRAFT]
+    return [(name, k) for k in drafts for name in verifier_names() if k == 1 or VERIFIERS[name].max_drafts is None]
 
 
 def audit_instance(instance: RealInstance, drafts) -> dict:
@@ -209,7 +207,7 @@ def summarise(audits: list[dict], drafts) -> list[dict]:
     for name, k in real_rows(drafts):
         accepted, errors, bounds = (list(values) for values in zip(*(audit[name, k] for audit in audits)))
         results.append({
-            "verifier": name, "K": k, "lossless": name in LOSSLESS,
+            "verifier": name, "K": k, "lossless": VERIFIERS[name].lossless,
             "mean_expected_accepted": float(np.mean(accepted)),
             "mean_share_of_bound": float(np.mean(np.divide(accepted, bounds))),
             "mean_law_error": float(np.mean(errors)), "max_law_error": float(max(errors)),

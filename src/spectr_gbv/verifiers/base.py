@@ -49,10 +49,10 @@ class Verifier:
         """The one check of K against the verifier, shared by the call, the engine and the run's config."""
         if cls.max_drafts is None or num_drafts <= cls.max_drafts:
             return
-        from spectr_gbv.verifiers import VERIFIERS  # not at the top: the package imports this module first
+        from spectr_gbv.verifiers import verifier_names  # not at the top: the package imports this module first
 
-        # lossless ones only (suggesting the published, biased rule would be bad advice), each alias once
-        multi_draft = dict.fromkeys(v.name for v in VERIFIERS.values() if v.max_drafts is None and v.lossless)
+        # lossless ones only: suggesting the published, biased rule would be bad advice
+        multi_draft = verifier_names(lossless=True, multi_draft=True)
         raise ConfigError("num_drafts", num_drafts, f"verifier {cls.name} takes at most {cls.max_drafts} draft(s); "
                           f"for more, use a multi-draft verifier ({', '.join(multi_draft)})")
 

@@ -420,7 +420,9 @@ def spectr_gbv_paper(p, q, drafts):
 # ---------------------------------------------------------------------------------------------------------------
 # Public entry points
 # ---------------------------------------------------------------------------------------------------------------
-VERIFIERS = {
+# The exact law of each built-in verifier, by its registry name (spectr_gbv.verifiers.VERIFIERS says which are
+# lossless and how many drafts each takes; the tests check that both name the same verifiers).
+LAWS = {
     "token": token,
     "bv": bv,
     "gbv": gbv,
@@ -430,13 +432,11 @@ VERIFIERS = {
     "multipath": multipath,
     "spectr_gbv_paper": spectr_gbv_paper,
 }
-LOSSLESS = tuple(name for name in VERIFIERS if name != "spectr_gbv_paper")
-SINGLE_DRAFT = ("token", "bv")
 
 
 def outcomes(name, p, q, drafts):
     """Exact law of one iteration given the K draft paths: [(prob, accepted prefix + next token, cont)]."""
-    return VERIFIERS[name](p, q, tuple(tuple(d) for d in drafts))
+    return LAWS[name](p, q, tuple(tuple(d) for d in drafts))
 
 
 def _draft_tuples(q, L, K):
