@@ -82,7 +82,7 @@ def bfloat16_units() -> dict[str, str]:
 
 
 def emulated_bfloat16(model: PreTrainedModel) -> bool:
-    """True for a model with bfloat16 linear weights on a CPU known to lack both units (e.g. AMD EPYC before Zen 4):
+    """True for a model with bfloat16 linear weights on a CPU known to lack both units (x86 CPUs before AVX512-BF16):
     there its matmuls are emulated at the same FLOP rate whatever their rows, so a pass over n positions or rows costs
     about n passes over one, and float32 can be faster (docs/performance.md, AVX2 only). int8 weights
     (quantize=int8) run on their own kernel, bfloat16 activations or not."""
