@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT
 from spectr_gbv.tools.report import main
 
-PAGES = {"results.md": "study", "results_small_study.md": "runs"}  # page under docs/ -> its runs under docs/
+PAGES = {"results.md": "study"}  # page under docs/ -> its runs under docs/
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -140,8 +140,8 @@ def only_where(keep: Tensor, modules: list[torch.nn.Module]) -> Iterator[None]:
     """Within it, each position-wise module (inputs [B, N, H]) runs on the positions where keep [B, N] holds, packed
     into one row, and outputs zeros at the others; one that sees fewer positions (the output layer under
     logits_to_keep) sees the last ones. Exact at the kept positions: on a CPU a matmul costs about its rows, so a
-    pass over B rows padded to the widest then costs about what its real positions cost (8 rows x 13 positions, 72
-    of them real, on the AVX2 EPYC of README's Engine: 1.6 s against 2.1 s; 8 x 9 unpadded: 1.5 s)."""
+    pass over B rows padded to the widest then costs about what its real positions cost, not what its padding does
+    (docs/performance.md, "Padding skips the MLPs")."""
     if bool(keep.all()):
         yield
         return

@@ -82,9 +82,9 @@ def bfloat16_units() -> dict[str, str]:
 
 
 def emulated_bfloat16(model: PreTrainedModel) -> bool:
-    """True for a model with bfloat16 linear weights on a CPU known to lack both units (e.g. AMD EPYC before Zen 4):
+    """True for a model with bfloat16 linear weights on a CPU known to lack both units (x86 CPUs before AVX512-BF16):
     there its matmuls are emulated at the same FLOP rate whatever their rows, so a pass over n positions or rows costs
-    about n passes over one, and float32 can be faster (README, Engine: the AMD EPYC with AVX2 only). int8 weights
+    about n passes over one, and float32 can be faster (docs/performance.md, AVX2 only). int8 weights
     (quantize=int8) run on their own kernel, bfloat16 activations or not."""
     weights = model.get_output_embeddings().weight
     return weights.device.type == "cpu" and weights.dtype == torch.bfloat16 and set(bfloat16_units().values()) == {"no"}

@@ -164,7 +164,7 @@ class SpeculativeEngine:
                 warnings.warn(f"the {role} runs in bfloat16 on a CPU without AMX-BF16 or AVX512-BF16, where "
                               "bfloat16 matmuls are emulated: a pass over n positions or rows costs about n passes "
                               "over one, so drafts and batches pay little; float32 on oneDNN can be faster "
-                              f"({key}.dtype=float32 {key}.linear_kernel=onednn; README, Engine)")
+                              f"({key}.dtype=float32 {key}.linear_kernel=onednn; docs/performance.md)")
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.num_drafts, self.block_length = num_drafts, block_length
         self.eos_ids = eos_ids(target)

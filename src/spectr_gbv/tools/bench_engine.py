@@ -444,8 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     L, n = args.block_length, args.max_new_tokens
     # Warm-up: first calls pay one-time costs (a batch of several drafts, and transformers' assisted path). The
     # weights are memory-mapped and a pass reads one input-embedding row per token: read them all once, or the
-    # first method to meet a token pays for loading its row from disk (on a cold page cache a 64-token lookup took
-    # 100 ms on the AMD EPYC of docs/bench).
+    # first method to meet a token pays for loading its row from disk, and the comparison is skewed against it.
     for model in (target, drafter):
         model.model.get_input_embeddings().weight.sum()
     warm = encoded[:2]

@@ -116,10 +116,10 @@ CDF_BLOCK = 1024  # tokens per block of sample()'s two-level inverse CDF: ~sqrt(
 def sample(probs: Tensor, generator: Generators, block: int = CDF_BLOCK) -> Tensor:
     """One categorical draw per row of probs [..., V] (rows need not be normalised) by inverting its float64 CDF in
     two levels: first the block of `block` tokens where u falls, from the blocks' sums, then the token inside it.
-    Only the sums and one block per row are ever widened to float64: a float64 cumsum over V = 151,936 costs 0.7-2 ms
-    a row on this project's CPUs (torch.multinomial ~10 ms), this 0.1-0.4 ms. The same draw as one CDF over the whole
-    row, up to float64 rounding (docs/algorithms.md §11). With a list of generators, probs[b] takes its
-    prod(probs.shape[1:-1]) draws from generator b."""
+    Only the sums and one block per row are ever widened to float64, so a row costs about 2 sqrt(V) float64 steps
+    instead of V: a whole-row float64 cumsum, or torch.multinomial, was most of sampling's cost (docs/performance.md).
+    The same draw as one CDF over the whole row, up to float64 rounding (docs/algorithms.md §11). With a list of
+    generators, probs[b] takes its prod(probs.shape[1:-1]) draws from generator b."""
     V = probs.shape[-1]
     flat, block = probs.reshape(-1, V), min(block, V)
     whole = V // block * block

@@ -50,7 +50,8 @@ class Level:
 
 class Scratch:
     """Memory for the full-V intermediates of one call, reused by every draft and level: on a CPU a fresh tensor
-    above glibc's mmap threshold (32 MB, e.g. [8, 7, 151_936] float32) costs more in page faults than its arithmetic."""
+    above glibc's mmap threshold (32 MB, e.g. [8, 7, 151_936] float32) is fresh pages, each faulted in on first touch,
+    while the arithmetic on it is a few passes; reused memory is faulted in once."""
 
     COND, DRAFT, BEFORE, WORK = range(4)  # the law being built, its draft conditionals, a level's input, temporaries
 
@@ -120,7 +121,7 @@ def apply_level_(level: Level, cond: Tensor, q: Tensor, log_s_over_m: Tensor, sc
     window covers all n nodes the residual is computed on the block of nodes from the shortest anchor on, else only
     at the (row, node) pairs inside the windows. A level leaves a row alone where its end is 0 (expired, or made
     after that row was done, docs/algorithms.md §4.3-4.4) and the windows of inherited levels differ from row to row,
-    so computing whole [R, n, V] blocks made the cost grow as B x levels."""
+    so whole [R, n, V] blocks would cost B x levels x n x V where the windows hold far fewer (row, node) pairs."""
     n = cond.shape[1]
     nodes = torch.arange(n, device=cond.device)
     in_window, anchored = nodes < level.end[:, None], nodes < level.anchor_len[:, None]

@@ -1,0 +1,110 @@
+"""A/B behind drafter_int8_ab.txt: the float32 target on oneDNN with two 0.5B drafters loaded in one process, float32
+on oneDNN and int8 weights with bfloat16 activations (drafter.dtype=bfloat16 drafter.quantize=int8).
+
+part `engine` (default): ar and gbv K=1/2/3 L=4 T=1, prompt by prompt in turn (B=1), then gbv K=3 and ar at B=8,
+there and back. part `steps`: bare drafter steps of the float32, int8-with-float32-activations and int8-with-bfloat16-
+activations drafters, interleaved.
+
+    PYTHONPATH=src python docs/bench/amd-epyc-avx2/drafter_int8_ab.py [--part steps] [--tiny]
+"""
+import argparse
+import time
+
+import torch
+
+from spectr_gbv.decoding.costs import machine
+from spectr_gbv.decoding.engine import SpeculativeEngine
+from spectr_gbv.decoding.models import packaged, tiny
+from spectr_gbv.decoding.sampling import Sampling
+from spectr_gbv.tools.bench_engine import PROMPTS, load_pair
+
+DRAFTER = "qwen2.5-coder-0.5b-instruct"
+
+
+def engine_ab(args):
+    print("machine:", machine("float32"), ", linear layers on onednn", flush=True)
+    onednn = {"dtype": "float32", "linear_kernel": "onednn"}
+    target, fp32 = load_pair(args.tiny, onednn, {"dtype": "float32", "quantize": None, "linear_kernel": "onednn"})
+    _, int8 = load_pair(args.tiny, onednn, {"dtype": "bfloat16", "quantize": "int8", "linear_kernel": None})
+    del _  # the target loaded twice: dropped at once
+    prompts = [target.encode_prompt(t) for t in PROMPTS[:args.batch]]
+    for model in (target, fp32, int8):  # page the memory-mapped embeddings in before timing anything
+        model.model.get_input_embeddings().weight.sum()
+    drafters = {"fp32-onednn": fp32, "int8-bf16": int8}
+    engines = {"ar": SpeculativeEngine(target, None, "ar", sampling=Sampling(1.0))}
+    for name, drafter in drafters.items():
+        for K in (1, 2, 3):
+            engines[f"gbv K={K} {name}"] = SpeculativeEngine(target, drafter, "gbv", K, 4, Sampling(1.0))
+    for engine in engines.values():  # warm-up
+        engine.generate_batch(prompts[:2], 2, [torch.Generator().manual_seed(i) for i in range(2)])
+    totals = {}
+    for i, prompt in enumerate(prompts[:args.prompts]):
+        for name, engine in engines.items():
+            record = engine.generate(prompt, args.tokens, torch.Generator().manual_seed(i))
+            tokens, wall, calls = totals.get(name, (0, 0.0, 0))
+            totals[name] = (tokens + record.new_tokens, wall + record.total_time, calls + record.target_calls)
+            print(f"prompt {i} {name}: {record.new_tokens / record.total_time:.2f} tok/s, "
+                  f"block eff. {record.new_tokens / record.target_calls:.2f}", flush=True)
+    ar_rate = totals["ar"][0] / totals["ar"][1]
+    for name, (tokens, wall, calls) in totals.items():
+        print(f"B=1 {name}: {tokens / wall:.2f} tok/s, {tokens / wall / ar_rate:.2f}x ar, "
+              f"block eff. {tokens / calls:.2f}")
+    batch = {"ar": engines["ar"], **{f"gbv K=3 {name}": engines[f"gbv K=3 {name}"] for name in drafters}}
+    results = {}
+    for rnd, order in enumerate((list(batch), list(batch)[::-1])):
+        for name in order:
+            start = time.perf_counter()
+            generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+            records = batch[name].generate_batch(prompts, args.tokens, generators)
+            wall = time.perf_counter() - start
+            tokens = sum(r.new_tokens for r in records)
+            results.setdefault(name, []).append((tokens, wall))
+            print(f"round {rnd} B={len(prompts)} {name}: {tokens / wall:.2f} tok/s", flush=True)
+    ar_batch = sum(t for t, _ in results["ar"]) / sum(w for _, w in results["ar"])
+    for name, runs in results.items():
+        rate = sum(t for t, _ in runs) / sum(w for _, w in runs)
+        print(f"B={len(prompts)} {name}: {rate:.2f} tok/s, {rate / ar_batch:.2f}x ar at B={len(prompts)}")
+
+
+def steps(args):
+    """Median of the last 5 of 6 one-position steps per row over a cache of 41 random tokens."""
+    torch.manual_seed(0)
+    settings = {"fp32 onednn": {"dtype": "float32", "linear_kernel": "onednn"},
+                "int8 fp32-act": {"dtype": "float32", "quantize": "int8"},
+                "int8 bf16-act": {"dtype": "bfloat16", "quantize": "int8"}}
+    variants = {name: tiny(seed=0, perturb=0.2, **kw) if args.tiny else packaged(DRAFTER, **kw)
+                for name, kw in settings.items()}
+    vocab = min(30000, variants["fp32 onednn"].model.config.vocab_size)
+    prompt = torch.randint(0, vocab, (1, 41))
+
+    @torch.no_grad()
+    def step_ms(model, rows):
+        cache = model(prompt.expand(rows, -1), use_cache=True).past_key_values
+        new = torch.randint(0, vocab, (rows, 1))
+        seconds = []
+        for _ in range(6):
+            start = time.perf_counter()
+            model(new, cache=cache, use_cache=True)
+            seconds.append(time.perf_counter() - start)
+            cache.crop(-1)
+        return sorted(seconds[1:])[2] * 1e3
+
+    for rnd in range(2):
+        for rows in (1, 3):
+            for name, loaded in variants.items():
+                print(f"round {rnd} rows {rows} {name}: {step_ms(loaded.model, rows):.1f} ms", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["engine", "steps"], default="engine")
+    parser.add_argument("--tiny", action="store_true", help="tiny random models: a smoke test in seconds")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts decoded one at a time (B=1)")
+    parser.add_argument("--batch", type=int, default=8, help="prompts of the batch part")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
+    args = parser.parse_args(argv)
+    (engine_ab if args.part == "engine" else steps)(args)
+
+
+if __name__ == "__main__":
+    main()
