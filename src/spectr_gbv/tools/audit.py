@@ -368,7 +368,8 @@ def audit_custom(spec: str, console: Console) -> bool:
     table.caption = Text(f"stream p: chi-square p-value of the first max(3, L+1) tokens of {STREAM_ROWS} "
                          "streams against the target's law. random: context-dependent toy models with zeros in p "
                          "and q. greedy: a one-hot target (temperature 0). E[tau]: the first iteration's mean accepted "
-                         "count. exact: from the class's exact_outcomes, if it gives one.")
+                         "count. exact: from verifiers/reference.py for a built-in, from the class's exact_outcomes "
+                         "for yours, if it gives one.")
     console.print(table)
     console.print(Text(f"verdict on {spec}: {line}", style="bold" if lossless else "bold red"))
     return lossless or not verifier_class(spec).lossless
