@@ -224,7 +224,7 @@ def test_a_folder_with_another_jobs_records_is_refused_and_kept(tmp_path):
 @pytest.mark.parametrize("override, line", [
     ("num_drafts=0", "error: num_drafts=0: must be >= 1"),
     ("num_drafts=many", "error: num_drafts=many: Value 'many' of type 'str' could not be converted to Integer"),
-    ("verifier=nope", "error: verifier=nope: choose one of ar, bv, gbv, multipath, nss, specinfer, spectr, "
+    ("verifier=nope", "error: verifier=nope: choose one of ar, bv, custom, gbv, multipath, nss, specinfer, spectr, "
                       "spectr_gbv, spectr_gbv_paper, token"),
     ("model.path=/no/such/dir", "error: model.path=/no/such/dir: no such file or directory"),
     ("dataset.tiny.texts=[ok,' ']", "error: dataset=tiny: prompt 1 is empty"),
@@ -237,6 +237,32 @@ def test_bad_input_is_one_line(override, line, tmp_path):
     assert "Traceback" not in done.stderr
     if not override.startswith("dataset"):  # the rest fail before Lightning starts: nothing else is printed
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+# A researcher's verifiers, in a module outside the package (docs/custom_verifiers.md)
+WITH_EXAMPLES = {"PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")])}
+CUSTOM = ["my_verifiers:SpeculativeSampling", "my_verifiers:BiasedSpeculativeSampling"]
+
+
+def test_custom_verifiers_run_in_a_sweep_under_their_spec(tmp_path):
+    done = run_py("-m", "verifier=custom", f"verifier.target={','.join(CUSTOM)}", "num_drafts=1", "block_length=2",
+                  f"hydra.sweep.dir={tmp_path}", env=WITH_EXAMPLES)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summaries = [json.loads((tmp_path / job / "summary.json").read_text()) for job in ("0", "1")]
+    assert [summary["verifier"] for summary in summaries] == CUSTOM
+    for job, summary in zip(("0", "1"), summaries):
+        assert sorted(records(tmp_path / job)) == [("tiny", 0), ("tiny", 1)]
+        assert summary["metrics"]["overall"]["block_efficiency"] >= 1
+
+
+@pytest.mark.parametrize("target, line", [
+    (None, "error: verifier.target=None: required with verifier=custom: module.path:ClassName"),
+    ("no_such_module:Rule", "error: verifier.target=no_such_module:Rule: module no_such_module does not import"),
+])
+def test_a_custom_verifier_without_a_loadable_target_is_one_line(target, line, tmp_path):
+    done = run_py("verifier=custom", *([f"verifier.target={target}"] if target else []), f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(line), done.stderr
 
 
 @pytest.mark.parametrize("overrides, env, line", [

@@ -23,11 +23,15 @@ from spectr_gbv.decoding.engine import check_settings
 from spectr_gbv.decoding.models import check_linear_layers
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
+from spectr_gbv.verifiers import verifier_class
 
 
 @dataclass
 class VerifierConfig:
-    name: str = MISSING  # a name of spectr_gbv.verifiers.VERIFIERS, or "ar"
+    name: str = MISSING  # a name of spectr_gbv.verifiers.CHOICES, "ar", or module.path:ClassName
+    # verifier=custom: the module.path:ClassName of a researcher's class, which becomes `name`; read by no other option,
+    # so that a sweep may run verifier=gbv,custom verifier.target=... side by side
+    target: Optional[str] = None
 
 
 @dataclass
@@ -74,6 +78,7 @@ def validate(cfg: DictConfig) -> None:
     """Range checks that types cannot express, before any model loads; raises ConfigError on the first bad knob.
     The sampling settings and the engine's knobs are checked by their own code (one place per rule)."""
     Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, draft_temperature=cfg.draft_temperature)
+    check_target(cfg.verifier)
     check_settings(cfg.verifier.name, cfg.num_drafts, cfg.block_length, cfg.max_new_tokens)
     checks = [
         ("block_length", cfg.block_length <= cfg.max_new_tokens,
@@ -91,6 +96,15 @@ def validate(cfg: DictConfig) -> None:
     if cfg.trainer.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator", cfg.trainer.accelerator,
                           "no CUDA device here (or torch is a CPU build); use trainer=cpu or trainer=ddp_cpu")
+
+
+def check_target(verifier: DictConfig) -> None:
+    """verifier=custom's class must be given and must load; a bad one is named by the key the user typed."""
+    if verifier.target is not None:
+        verifier_class(verifier.target, "verifier.target")
+    elif OmegaConf.is_interpolation(verifier, "name"):  # verifier=custom, whose name is its target, without one
+        raise ConfigError("verifier.target", None, "required with verifier=custom: module.path:ClassName of a "
+                          "spectr_gbv.verifiers.Verifier subclass in a module on PYTHONPATH")
 
 
 def check_model_path(side: str, model: DictConfig) -> None:

@@ -14,12 +14,20 @@ tree starts inside an answer. At each context a tree of depth L=2: the support a
 top m=6 tokens there, and p and q are both renormalised over it, so an instance is a pair of context-dependent laws
 on an m-token vocabulary (the JSON gives the untruncated mass the supports hold). m=6, not 8: the enumeration visits
 m^(L K) draft tuples, and at m=8, K=3 gbv alone takes one to two minutes per instance (m=6: about 10 s).
+
+`--verifier module.path:ClassName` (repeatable; built-in names work too) audits a verifier as a black box, since
+its kernel cannot be enumerated: chi-square tests of whole generated streams against the target's law on the anchors
+and on random context-dependent instances with zeros in p and q, greedy identity at temperature 0, and the mean
+accepted length on the anchors with its standard error; with the class's optional exact hook (`exact_outcomes`,
+docs/custom_verifiers.md) also the exact E[tau] and law error. It ends in a verdict, "lossless (min p = ...)" or
+"NOT lossless: ... at instance ...", and exits with status 1 when a rule that claims lossless gets the second.
 """
 
 import argparse
 import copy
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -36,8 +44,9 @@ from rich.text import Text
 from spectr_gbv.decoding.engine import eos_ids
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, packaged, tiny
 from spectr_gbv.decoding.sampling import warp
+from spectr_gbv.errors import ConfigError
 from spectr_gbv.tools.report import audit_table
-from spectr_gbv.verifiers import VERIFIERS, verifier_names
+from spectr_gbv.verifiers import VERIFIERS, Verifier, verifier_class, verifier_names
 from spectr_gbv.verifiers.reference import (
     ANCHORS,
     RandModel,
@@ -45,9 +54,11 @@ from spectr_gbv.verifiers.reference import (
     anchor,
     bound_sum,
     claimed_C,
+    exact_law,
     expected_accepted,
     law_error,
 )
+from spectr_gbv.verifiers.streams import ToyModel, generate_streams, law_p_value
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +257,124 @@ def audit_real(models: str, support: int, depth: int, prompts: int) -> dict:
     return {"settings": settings, "results": summarise(audits, DRAFTS)}
 
 
+# --- a researcher's verifier (--verifier): its law tested by the streams it generates ----------------------------
+FAMILY_ALPHA = 1e-3  # chance that a lossless rule is called NOT lossless, split over the stream tests (Bonferroni)
+STREAM_ROWS = 20_000  # streams per instance: the published rule's bias and a residual replaced by p fail far below
+GREEDY_ROWS, GREEDY_TOKENS_OUT = 2_000, 5
+EXACT_TOLERANCE = 1e-9  # float64 enumeration rounds at about 1e-16; a hook written another way may round more
+
+
+def toy_anchor(name):
+    p, q, L, K = ANCHORS[name]
+    models = ToyModel(len(p), 0, const=p), ToyModel(len(q), 0, const=q)
+    return f"{name}: p=({shown(p)}) q=({shown(q)})", (*models, L, K)
+
+
+def toy_random(vocab, seed, L, K):
+    """Context-dependent target and drafter (the law depends on the last two tokens) with zeros in both, as top-k /
+    top-p truncation makes them."""
+    return (f"random: V={vocab}, seed {seed}",
+            (ToyModel(vocab, seed, zero_prob=0.2), ToyModel(vocab, seed + 100, zero_prob=0.15), L, K))
+
+
+RANDOM = [(3, 1, 2, 3), (3, 7, 3, 2), (4, 3, 2, 2), (3, 11, 1, 4)]  # (V, seed, L, K): several K and L
+STREAM_INSTANCES = dict(  # title: (target, drafter, L, K); fixed seeds, so the verdict is reproducible
+    [toy_anchor(name) for name in ANCHORS] + [toy_random(vocab, seed, L, K) for vocab, seed, L, K in RANDOM])
+GREEDY_TITLE = "greedy: V=4, one-hot target"  # temperature 0
+GREEDY_INSTANCE = (ToyModel(4, 5, one_hot=True), ToyModel(4, 105, zero_prob=0.15), 4, 3)
+
+
+@dataclass
+class StreamCheck:
+    """One instance's evidence: the chi-square p-value of the first max(3, L + 1) tokens of STREAM_ROWS streams
+    against the target's law, the first iteration's mean accepted count with its standard error, and, with an exact
+    law, the exact E[tau] and law error of one iteration (None without one)."""
+    title: str
+    K: int
+    L: int
+    p_value: float
+    accepted: float
+    standard_error: float
+    exact_accepted: float | None
+    law_error: float | None
+
+
+def drafts_for(cls: type[Verifier], K: int) -> int:
+    return K if cls.max_drafts is None else min(K, cls.max_drafts)
+
+
+def stream_check(spec: str, title: str, seed: int) -> StreamCheck:
+    target, drafter, L, K = STREAM_INSTANCES[title]
+    cls = verifier_class(spec)
+    K, tokens = drafts_for(cls, K), max(3, L + 1)  # L + 1: the first iteration's recovered or bonus token too
+    samples, accepted = generate_streams(cls(), target, drafter, rows=STREAM_ROWS, num_drafts=K, block_length=L,
+                                         num_tokens=tokens, seed=seed)
+    exact = exact_law(spec) is not None
+    return StreamCheck(title, K, L, law_p_value(samples, target.law(tokens)), accepted.mean().item(),
+                       accepted.std().item() / STREAM_ROWS ** 0.5,
+                       expected_accepted(spec, target.cond, drafter.cond, L, K) if exact else None,
+                       float(law_error(spec, target.cond, drafter.cond, L, K)) if exact else None)
+
+
+def greedy_misses(spec: str) -> int:
+    """Rows whose tokens are not the one-hot target's greedy tokens (every lossless rule must emit them)."""
+    target, drafter, L, K = GREEDY_INSTANCE
+    cls = verifier_class(spec)
+    samples, _ = generate_streams(cls(), target, drafter, rows=GREEDY_ROWS, num_drafts=drafts_for(cls, K),
+                                  block_length=L, num_tokens=GREEDY_TOKENS_OUT, seed=2)
+    (greedy, _), = [(seq, prob) for seq, prob in target.law(GREEDY_TOKENS_OUT).items() if prob > 0]
+    return int((samples != torch.tensor(greedy)).any(-1).sum())
+
+
+def verdict(checks: list[StreamCheck], misses: int) -> tuple[bool, str]:
+    """(lossless?, the verdict with its evidence). Each stream test runs at FAMILY_ALPHA / their number, so a lossless
+    rule passes all of them with probability >= 1 - FAMILY_ALPHA; greedy misses and exact errors are not chance."""
+    threshold = FAMILY_ALPHA / len(checks)
+    worst = min(checks, key=lambda check: check.p_value)
+    if worst.p_value < threshold:
+        return False, f"NOT lossless: p = {worst.p_value:.2e} < {threshold:.1e} at instance {worst.title}"
+    if misses:
+        return False, (f"NOT lossless: p = 0 at instance {GREEDY_TITLE}: {misses} of {GREEDY_ROWS} rows leave the "
+                       "target's greedy tokens")
+    wrong = [check for check in checks if check.law_error is not None and check.law_error > EXACT_TOLERANCE]
+    if wrong:
+        return False, f"NOT lossless: exact law error {wrong[0].law_error:.1e} at instance {wrong[0].title}"
+    return True, (f"lossless (min p = {worst.p_value:.3g} at instance {worst.title}; each test at "
+                  f"{threshold:.1e} = {FAMILY_ALPHA:g} / {len(checks)})")
+
+
+def custom_table(spec: str, checks: list[StreamCheck], misses: int) -> Table:
+    cls = verifier_class(spec)
+    table = Table(title=f"{spec}: claims lossless: {'yes' if cls.lossless else 'NO'}; drafts: "
+                        f"{cls.max_drafts or 'any K'}", title_justify="left", caption_justify="left")
+    for column in ("instance", "K", "L", "stream p", "E[tau] ± s.e.", "exact E[tau]", "law error"):
+        table.add_column(Text(column), justify="left" if column == "instance" else "right", no_wrap=True)
+    for check in checks:
+        table.add_row(check.title, str(check.K), str(check.L), f"{check.p_value:.3g}",
+                      f"{check.accepted:.4f} ± {check.standard_error:.4f}",
+                      "-" if check.exact_accepted is None else f"{check.exact_accepted:.6f}",
+                      "-" if check.law_error is None else f"{check.law_error:.1e}")
+    table.add_row(GREEDY_TITLE, str(drafts_for(cls, GREEDY_INSTANCE[3])), str(GREEDY_INSTANCE[2]),
+                  "0" if misses else "-", f"{GREEDY_ROWS - misses}/{GREEDY_ROWS} greedy", "-", "-")
+    return table
+
+
+def audit_custom(spec: str, console: Console) -> bool:
+    """Print the evidence and the verdict on one verifier; False when it claims lossless and is found not to be."""
+    checks = [stream_check(spec, title, seed) for seed, title in enumerate(STREAM_INSTANCES)]
+    misses = greedy_misses(spec)
+    lossless, line = verdict(checks, misses)
+    table = custom_table(spec, checks, misses)
+    table.caption = Text(f"stream p: chi-square p-value of the first max(3, L+1) tokens of {STREAM_ROWS} "
+                         "streams against the target's law. random: context-dependent toy models with zeros in p "
+                         "and q. greedy: a one-hot target (temperature 0). E[tau]: the first iteration's mean accepted "
+                         "count. exact: from verifiers/reference.py for a built-in, from the class's exact_outcomes "
+                         "for yours, if it gives one.")
+    console.print(table)
+    console.print(Text(f"verdict on {spec}: {line}", style="bold" if lossless else "bold red"))
+    return lossless or not verifier_class(spec).lossless
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m spectr_gbv.tools.audit", description=__doc__.splitlines()[0])
     parser.add_argument("--real", action="store_true", help="audit on exact instances built from the real pair")
@@ -257,7 +386,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=PROMPTS, metavar="N",
                         help="with --real: prompts per dataset (default %(default)s)")
     parser.add_argument("--models", choices=PAIRS, default="qwen", help=argparse.SUPPRESS)
+    parser.add_argument("--verifier", action="append", metavar="SPEC",
+                        help="audit this verifier's streams instead: module.path:ClassName or a built-in name "
+                             "(repeat for several)")
     args = parser.parse_args(argv)
+    if args.verifier and args.real:
+        parser.error("--verifier: not with --real")
     changed = [f"--{key}" for key in ("json", "support", "depth", "prompts", "models")
                if getattr(args, key) != parser.get_default(key)]
     if changed and not args.real:
@@ -271,6 +405,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console(width=100)  # the widest table, even when piped (rich assumes 80 columns then)
+    if args.verifier:
+        try:
+            for spec in args.verifier:  # every spec before any audit: a typo must not wait for the others
+                verifier_class(spec, "--verifier")
+        except ConfigError as error:
+            sys.exit(f"error: {error}")
+        claims_hold = [audit_custom(spec, console) for spec in args.verifier]
+        if not all(claims_hold):
+            sys.exit(1)
+        return
     if args.real:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
         report = audit_real(args.models, args.support, args.depth, args.prompts)

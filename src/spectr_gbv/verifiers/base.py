@@ -34,6 +34,10 @@ class VerifierOutput:
 
 
 class Verifier:
+    """The call contract. A researcher's own rule subclasses it in their own module and implements verify(); it then
+    runs wherever a built-in does, named "module.path:ClassName" (docs/custom_verifiers.md, which also documents the
+    optional exact hook `exact_outcomes` that the audit reads)."""
+
     name: ClassVar[str]
     lossless: ClassVar[bool] = True
     max_drafts: ClassVar[int | None] = None  # 1 for single-draft verifiers, None for any K

@@ -18,6 +18,8 @@ import itertools
 
 import numpy as np
 
+from spectr_gbv.verifiers import ALIASES, verifier_class
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Models and laws
@@ -434,9 +436,20 @@ LAWS = {
 }
 
 
+def exact_law(name):
+    """The function giving the exact law of one iteration of verifier `name`: a built-in's from LAWS, or a
+    researcher's class's optional hook `exact_outcomes(p, q, drafts)` (same contract; docs/custom_verifiers.md);
+    None when the class gives none."""
+    name = ALIASES.get(name, name)
+    return LAWS[name] if name in LAWS else getattr(verifier_class(name), "exact_outcomes", None)
+
+
 def outcomes(name, p, q, drafts):
     """Exact law of one iteration given the K draft paths: [(prob, accepted prefix + next token, cont)]."""
-    return LAWS[name](p, q, tuple(tuple(d) for d in drafts))
+    law = exact_law(name)
+    if law is None:
+        raise ValueError(f"verifier {name} gives no exact law: its class has no exact_outcomes(p, q, drafts)")
+    return law(p, q, tuple(tuple(d) for d in drafts))
 
 
 def _draft_tuples(q, L, K):
