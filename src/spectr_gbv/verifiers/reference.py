@@ -392,7 +392,8 @@ def traversal(p, q, drafts):
             w = total / (total + (1 - w)) if total + (1 - w) > 0 else 1.0
             target = _normalise(excess, target)
             draft = _normalise(np.where(np.arange(len(draft)) == c, 0.0, draft), draft)
-        outs.extend(_emit(prob * w, v, target, p))
+        if w > 0:
+            outs.extend(_emit(prob * w, v, target, p))
         return prob * (1 - w)
 
     visit(1.0, (), 1.0, p(()))
