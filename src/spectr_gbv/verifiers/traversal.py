@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Verifier, VerifierOutput, check_inputs, normalise, sample, uniforms
+from .base import Verifier, VerifierOutput, check_inputs, normalise, pick, sample, uniforms
 
 
 @dataclass
@@ -40,8 +40,8 @@ def trie_order(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     duplicate = owner[..., -1] != torch.arange(K, device=x.device)
     order = order.gather(1, duplicate.gather(1, order).long().argsort(dim=-1, stable=True))
     leaves = (~duplicate).sum(-1)
-    batch = torch.arange(B, device=x.device)[:, None]
-    branch = same.sum(-1)[batch, order, order.roll(-1, 1)]
+    shared = same.sum(-1).gather(1, order[..., None].expand(B, K, K))  # [B, K, K]: prefix length leaf i shares
+    branch = shared.gather(2, order.roll(-1, 1)[..., None]).squeeze(-1)
     branch = torch.where(torch.arange(K, device=x.device) + 1 < leaves[:, None], branch, 0)
     return node_rows, order, leaves, branch
 
@@ -52,6 +52,13 @@ def child_weight(weight: Tensor, p: Tensor, q: Tensor) -> Tensor:
     return torch.where(wp < q, wp / q, torch.ones_like(wp))
 
 
+def put(x: Tensor, index: Tensor, value: Tensor) -> None:
+    """x[b, index[b]] = value[b] in place for x [B, N, ...]: pick's inverse (gathers and scatters, not advanced
+    indexing, which is an order of magnitude slower on CPU)."""
+    view = index.view(-1, *([1] * (x.dim() - 1))).expand(-1, 1, *x.shape[2:])
+    x.scatter_(1, view, value.unsqueeze(1))
+
+
 def traversal_tests(x: Tensor, q: Tensor, p: Tensor) -> Iterator[Test]:
     """Every row's tests in traversal order, each row's state updated as if each test failed: a row's outcome is its
     first passed test. The state is kept only along the current leaf's path (depths 0..L-1): a node's target and
@@ -59,9 +66,15 @@ def traversal_tests(x: Tensor, q: Tensor, p: Tensor) -> Iterator[Test]:
     B, K, L = x.shape
     device, V = x.device, q.shape[-1]
     node_rows, order, leaves, branch = trie_order(x)
-    batch, depths = torch.arange(B, device=device), torch.arange(L, device=device)
-    drafted = (batch[:, None, None], node_rows[..., :L], depths, x)
-    p_drafted, q_drafted = p[drafted], q[drafted]  # [B, K, L]: each draft token's p and q, read from its node's row
+    depths = torch.arange(L, device=device)
+    p_nodes, q_nodes = p.flatten(1, 2), q.flatten(1, 2)  # [B, K (L+1), V], [B, K L, V]: (draft, depth) rows
+
+    def drafted(probs: Tensor, stride: int) -> Tensor:
+        """[B, K, L] each draft token's probability, read from its node's row."""
+        flat = ((node_rows[..., :L] * stride + depths) * V + x).flatten(1)
+        return probs.reshape(B, -1).gather(1, flat).view(B, K, L)
+
+    p_drafted, q_drafted = drafted(p, L + 1), drafted(q, L)
     changed = torch.zeros(B, L + 1, dtype=torch.bool, device=device)  # depth L never loses a child
     target_now, draft_now = torch.zeros(B, L, V, dtype=p.dtype, device=device), torch.zeros_like(q[:, 0])
     weight = torch.ones(B, L + 1, dtype=p.dtype, device=device)
@@ -69,16 +82,17 @@ def traversal_tests(x: Tensor, q: Tensor, p: Tensor) -> Iterator[Test]:
     depth = torch.full((B,), L, dtype=torch.long, device=device)
     live = torch.ones(B, dtype=torch.bool, device=device)
 
-    def law_at(given: Tensor, now: Tensor, rows: Tensor, d: Tensor) -> Tensor:
+    def law_at(given: Tensor, stride: int, now: Tensor, rows: Tensor, d: Tensor) -> Tensor:
         """[B, V] the current law of the depth-d node of each row's path."""
-        return torch.where(changed[batch, d, None], now[batch, d.clamp(max=L - 1)], given[batch, rows[batch, d], d])
+        return torch.where(pick(changed, d)[:, None], pick(now, d.clamp(max=L - 1)),
+                           pick(given, pick(rows, d) * stride + d))
 
     def descend(start: Tensor, moving: Tensor) -> None:
         """Weights of the new leaf's path below depth `start`, w_{d+1} = min(1, w_d p / q), from its current laws."""
-        leaf = order[batch, position]
-        tokens = x[batch, leaf, :, None]
-        p_path = torch.where(changed[:, :L], target_now.gather(-1, tokens).squeeze(-1), p_drafted[batch, leaf])
-        q_path = torch.where(changed[:, :L], draft_now.gather(-1, tokens).squeeze(-1), q_drafted[batch, leaf])
+        leaf = pick(order, position)
+        tokens = pick(x, leaf)[..., None]
+        p_path = torch.where(changed[:, :L], target_now.gather(-1, tokens).squeeze(-1), pick(p_drafted, leaf))
+        q_path = torch.where(changed[:, :L], draft_now.gather(-1, tokens).squeeze(-1), pick(q_drafted, leaf))
         for d in range(L):
             step = moving & (d >= start)
             weight[:, d + 1] = torch.where(step, child_weight(weight[:, d], p_path[:, d], q_path[:, d]),
@@ -86,26 +100,27 @@ def traversal_tests(x: Tensor, q: Tensor, p: Tensor) -> Iterator[Test]:
 
     descend(torch.zeros_like(depth), live)
     for _ in range(K * L + 1):  # one test per node, the root's last
-        leaf = order[batch, position]
-        rows = node_rows[batch, leaf]  # [B, L+1]
-        yield Test(depth, weight[batch, depth], rows[batch, depth], law_at(p, target_now, rows, depth), live)
+        leaf = pick(order, position)
+        rows = pick(node_rows, leaf)  # [B, L+1]
+        yield Test(depth, pick(weight, depth), pick(rows, depth), law_at(p_nodes, L + 1, target_now, rows, depth), live)
         # the failed node is deleted: its parent's target becomes the weighted residual, its draft law loses the token
         parent = (depth - 1).clamp_min(0)
         rejected = live & (depth > 0)
-        w = weight[batch, parent]
-        target, draft = law_at(p, target_now, rows, parent), law_at(q, draft_now, rows, parent)
+        w = pick(weight, parent)
+        target = law_at(p_nodes, L + 1, target_now, rows, parent)
+        draft = law_at(q_nodes, L, draft_now, rows, parent)
         excess = (w[:, None] * target - draft).clamp_min(0)
         total = excess.sum(-1)
         denominator = total + (1 - w)  # 1 - w first: at the root, total / total = 1 exactly
-        token = x[batch, leaf, parent, None]
-        target_now[batch, parent] = torch.where(rejected[:, None], normalise(excess, target), target_now[batch, parent])
-        draft_now[batch, parent] = torch.where(rejected[:, None], normalise(draft.scatter(-1, token, 0.0), draft),
-                                               draft_now[batch, parent])
-        weight[batch, parent] = torch.where(rejected & (denominator > 0), total / denominator,
-                                            torch.where(rejected, 1.0, w))
-        changed[batch, parent] |= rejected
+        token = pick(pick(x, leaf), parent)[:, None]
+        put(target_now, parent, torch.where(rejected[:, None], normalise(excess, target), pick(target_now, parent)))
+        put(draft_now, parent, torch.where(rejected[:, None], normalise(draft.scatter(-1, token, 0.0), draft),
+                                           pick(draft_now, parent)))
+        put(weight, parent, torch.where(rejected & (denominator > 0), total / denominator,
+                                        torch.where(rejected, 1.0, w)))
+        put(changed, parent, pick(changed, parent) | rejected)
         # next: the parent if it has no child left, the next leaf if it branches off here, the root after the last
-        moving = rejected & (parent == branch[batch, position]) & (position < leaves - 1)
+        moving = rejected & (parent == pick(branch, position)) & (position < leaves - 1)
         live = live & (depth > 0)
         depth = torch.where(moving, L, torch.where(rejected, parent, depth))
         position = position + moving
@@ -121,12 +136,12 @@ class TraversalVerifier(Verifier):
     def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
         B, K, L = draft_tokens.shape
         u = uniforms((B, K, L), target_probs, generator)  # one per node: (its lowest-index draft, its depth - 1)
-        batch = torch.arange(B, device=draft_tokens.device)
         accepted = torch.full((B,), -1, dtype=torch.long, device=draft_tokens.device)
         draft_index = torch.zeros_like(accepted)
         law = None
         for test in traversal_tests(draft_tokens, draft_probs, target_probs):
-            first = test.live & (accepted < 0) & (u[batch, test.row, (test.depth - 1).clamp_min(0)] < test.weight)
+            u_node = pick(pick(u, test.row), (test.depth - 1).clamp_min(0))
+            first = test.live & (accepted < 0) & (u_node < test.weight)
             accepted = torch.where(first, test.depth, accepted)
             draft_index = torch.where(first, test.row, draft_index)
             law = test.target if law is None else torch.where(first[:, None], test.target, law)
