@@ -14,7 +14,7 @@ from .base import Verifier, VerifierOutput, check_inputs, normalise, pick, sampl
 
 
 @dataclass
-class Test:
+class NodeTest:
     """The node every row tests at one step of its traversal, had all its earlier tests failed."""
 
     depth: Tensor  # int64 [B], 0..L; depth 0 is the root, tested last, whose weight is exactly 1
@@ -59,7 +59,7 @@ def put(x: Tensor, index: Tensor, value: Tensor) -> None:
     x.scatter_(1, view, value.unsqueeze(1))
 
 
-def traversal_tests(x: Tensor, q: Tensor, p: Tensor) -> Iterator[Test]:
+def traversal_tests(x: Tensor, q: Tensor, p: Tensor) -> Iterator[NodeTest]:
     """Every row's tests in traversal order, each row's state updated as if each test failed: a row's outcome is its
     first passed test. The state is kept only along the current leaf's path (depths 0..L-1): a node's target and
     draft laws differ from the inputs only once it has lost a child, and then its subtree's later nodes are fresh."""
@@ -102,7 +102,8 @@ def traversal_tests(x: Tensor, q: Tensor, p: Tensor) -> Iterator[Test]:
     for _ in range(K * L + 1):  # one test per node, the root's last
         leaf = pick(order, position)
         rows = pick(node_rows, leaf)  # [B, L+1]
-        yield Test(depth, pick(weight, depth), pick(rows, depth), law_at(p_nodes, L + 1, target_now, rows, depth), live)
+        yield NodeTest(depth, pick(weight, depth), pick(rows, depth),
+                       law_at(p_nodes, L + 1, target_now, rows, depth), live)
         # the failed node is deleted: its parent's target becomes the weighted residual, its draft law loses the token
         parent = (depth - 1).clamp_min(0)
         rejected = live & (depth > 0)
@@ -140,12 +141,12 @@ class TraversalVerifier(Verifier):
         draft_index = torch.zeros_like(accepted)
         law = None
         for test in traversal_tests(draft_tokens, draft_probs, target_probs):
-            u_node = pick(pick(u, test.row), (test.depth - 1).clamp_min(0))
+            u_node = pick(pick(u, test.row), (test.depth - 1).clamp_min(0))  # the root passes whatever u
             first = test.live & (accepted < 0) & (u_node < test.weight)
             accepted = torch.where(first, test.depth, accepted)
             draft_index = torch.where(first, test.row, draft_index)
             law = test.target if law is None else torch.where(first[:, None], test.target, law)
-            if (accepted >= 0).all():
+            if (accepted >= 0).all():  # most rows pass within a few tests: skip the rest of the trie
                 break
         return VerifierOutput(accepted, draft_index, sample(law, generator))
 
