@@ -11,7 +11,7 @@ RUN=${RUN:-run.py}
 OUT=${OUT:-docs/study}
 LIMIT=${LIMIT:-20}
 K1="token,bv,gbv"                                            # the single-draft verifiers (and gbv at K = 1)
-K3="spectr,specinfer,nss,multipath,gbv,spectr_gbv_paper"     # the multi-draft ones at K = 3
+K3="spectr,specinfer,nss,multipath,gbv,spectr_gbv_paper,traversal"  # the multi-draft ones at K = 3
 
 main() {  # the paper's Table 1 shape: L = 8, T = 0.4, the five datasets, 20 prompts each, 128 new tokens
   local MAIN="dataset=all limit=$LIMIT max_new_tokens=128 block_length=8 temperature=0.4 batch_size=8 logger=none"
@@ -40,7 +40,7 @@ speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = 4
   local SPEED="dataset=all limit=2 max_new_tokens=128 block_length=4 temperature=0.4 batch_size=1 baseline=true"
   $PY $RUN -m verifier=$K1 num_drafts=1 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k1
   # gbv first: a pass cut short still times the project's own K = 3 rule
-  $PY $RUN -m verifier=gbv,spectr,specinfer,nss,multipath,spectr_gbv_paper num_drafts=3 $SPEED logger=none \
+  $PY $RUN -m verifier=gbv,spectr,specinfer,nss,multipath,spectr_gbv_paper,traversal num_drafts=3 $SPEED logger=none \
     hydra.sweep.dir=$OUT/speed/k3
 }
 

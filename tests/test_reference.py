@@ -31,11 +31,14 @@ EXACT = 1e-12
 # E[tau] of the first iteration; single-draft verifiers and "gbv@1" at K=1, the others at the anchor's K.
 ANCHOR_MEAN_ACCEPTED = {
     "A": dict(token=1.111111, bv=1.222222, **{"gbv@1": 1.333333}, nss=1.012346, specinfer=1.333333,
-              spectr=1.405487, multipath=1.617284, gbv=1.481481, spectr_gbv_paper=1.403435),
+              spectr=1.405487, multipath=1.617284, gbv=1.481481, spectr_gbv_paper=1.403435,
+              traversal=1.419753),
     "B": dict(token=1.190000, bv=1.250000, **{"gbv@1": 1.310000}, nss=0.641791, specinfer=1.305800,
-              spectr=1.367192, multipath=1.325200, gbv=1.405400, spectr_gbv_paper=1.297984),
+              spectr=1.367192, multipath=1.325200, gbv=1.405400, spectr_gbv_paper=1.297984,
+              traversal=1.359800),
     "C": dict(token=1.533000, bv=1.632000, **{"gbv@1": 1.737000}, nss=0.764460, specinfer=1.768116,
-              spectr=1.861485, multipath=1.816284, gbv=1.946313, spectr_gbv_paper=1.827053),
+              spectr=1.861485, multipath=1.816284, gbv=1.946313, spectr_gbv_paper=1.827053,
+              traversal=1.862256),
 }
 ANCHOR_BOUNDS = {"A": (1.583333, 1.654321), "B": (1.535600, 1.604400), "C": (2.169375, 2.297379)}  # C_L(K), sum a*
 
@@ -84,6 +87,65 @@ def test_gbv_without_its_modification_on_the_toy_example(monkeypatch):
     monkeypatch.setitem(ref.LAWS, "gbv_unmodified", gbv_without_modification)
     p, q, L, _ = anchor("A")
     assert law_error("gbv_unmodified", p, q, L, 1) == pytest.approx(0.074, abs=5e-4)  # docs/algorithms.md §4.2
+
+
+def traversal_in_token_order(p, q, drafts):
+    """Broken control: traversal visiting a node's children in token-id order instead of order of first appearance;
+    the first child visited is then not a draw from q."""
+    return ref.traversal(p, q, tuple(sorted(drafts)))
+
+
+def traversal_in_node_index_order(p, q, drafts):
+    """Broken control, the rule as the public reference code runs it (`traversal_verify`): nodes numbered by first
+    appearance over the drafts, draft after draft; the leaf of smallest number is tested next; a rejection turns the
+    parent's target into the weighted residual, drops the leaf's token from its draft law and recomputes the weights
+    of all the parent's remaining descendants. From K = 3 that is not depth-first: a sibling subtree is entered
+    before a half-visited one is finished, whose updated weights the recomputation then overwrites."""
+    L, outs = len(drafts[0]), []
+    nodes = list(dict.fromkeys(d[:i] for d in drafts for i in range(L + 1)))
+
+    def reweigh(weight, target, draft, below, alive):
+        for v in alive:  # parents before children
+            if len(v) > len(below) and v[:len(below)] == below:
+                weight[v] = min(1.0, weight[v[:-1]] * target[v[:-1]][v[-1]] / draft[v[:-1]][v[-1]])
+
+    def run(prob, weight, target, draft, alive):
+        leaf = min((v for v in alive if not any(c[:-1] == v for c in alive if c)), key=nodes.index)
+        w = weight[leaf] if leaf else 1.0
+        outs.extend(ref._emit(prob * w, leaf, target[leaf], p))
+        if not leaf or prob * (1 - w) <= 0:
+            return
+        weight, target, draft, parent = dict(weight), dict(target), dict(draft), leaf[:-1]
+        excess = np.maximum(weight[parent] * target[parent] - draft[parent], 0.0)
+        total = excess.sum()
+        weight[parent] = total / (total + 1 - weight[parent]) if total > 0 else 0.0
+        target[parent] = ref._normalise(excess, target[parent])
+        draft[parent] = ref._normalise(np.where(np.arange(len(excess)) == leaf[-1], 0.0, draft[parent]), draft[parent])
+        alive = [v for v in alive if v != leaf]
+        reweigh(weight, target, draft, parent, alive)
+        run(prob * (1 - w), weight, target, draft, alive)
+
+    weight = {(): 1.0}
+    target, draft = {v: p(v) for v in nodes}, {v: q(v) for v in nodes if len(v) < L}
+    reweigh(weight, target, draft, (), nodes)
+    run(1.0, weight, target, draft, nodes)
+    return outs
+
+
+@pytest.mark.parametrize("broken", [traversal_in_token_order, traversal_in_node_index_order])
+@pytest.mark.parametrize("vocab,L,K", [(2, 2, 3), (2, 3, 3), (3, 2, 3)])
+def test_traversal_in_another_order_is_caught(monkeypatch, broken, vocab, L, K):
+    monkeypatch.setitem(ref.LAWS, broken.__name__, broken)
+    assert max(law_error(broken.__name__, *random_pair(vocab, seed), L, K) for seed in range(3)) > 1e-3
+
+
+def test_the_public_codes_order_is_depth_first_up_to_two_drafts(monkeypatch):
+    monkeypatch.setitem(ref.LAWS, "node_index_order", traversal_in_node_index_order)
+    for vocab, L in [(2, 3), (3, 2)]:
+        p, q = random_pair(vocab, seed=0)
+        assert law_error("node_index_order", p, q, L, 2) < EXACT
+        assert (expected_accepted("node_index_order", p, q, L, 2)
+                == pytest.approx(expected_accepted("traversal", p, q, L, 2), abs=EXACT))
 
 
 @pytest.mark.parametrize("name", ANCHORS)
@@ -135,6 +197,7 @@ def test_single_draft_orderings(vocab, L):
     p, q = random_pair(vocab, seed=4)
     token, bv = expected_accepted("token", p, q, L, 1), expected_accepted("bv", p, q, L, 1)
     assert expected_accepted("multipath", p, q, L, 1) == pytest.approx(bv, abs=EXACT)
+    assert expected_accepted("traversal", p, q, L, 1) == pytest.approx(bv, abs=EXACT)  # on one chain it is bv
     assert token <= bv + EXACT
 
 

@@ -6,7 +6,7 @@ import torch
 from scipy import stats
 
 from spectr_gbv.verifiers import ALIASES, VERIFIERS, build_verifier, optimal_acceptance, verifier_names
-from spectr_gbv.verifiers import base, block, reference, tree
+from spectr_gbv.verifiers import base, block, reference, traversal, tree
 from spectr_gbv.verifiers.block import bv_acceptance
 from spectr_gbv.verifiers.greedy import greedy_acceptance
 from toy_streams import ToyModel, generate_streams, law_p_value
@@ -45,7 +45,7 @@ def test_unknown_name_lists_valid_names():
 def test_lossless_flags_and_alias():
     assert not VERIFIERS["spectr_gbv_paper"].lossless
     assert build_verifier("spectr_gbv").__class__ is VERIFIERS[ALIASES["spectr_gbv"]] is VERIFIERS["gbv"]
-    assert set(LOSSLESS) == {"token", "bv", "gbv", "spectr", "specinfer", "nss", "multipath"}
+    assert set(LOSSLESS) == {"token", "bv", "gbv", "spectr", "specinfer", "nss", "multipath", "traversal"}
     assert set(reference.LAWS) == set(VERIFIERS)  # the exact reference covers every built-in
 
 
@@ -234,7 +234,8 @@ def test_gbv_without_its_target_modification_fails(K):
     assert law_p_value(samples, target.law(3)) < P_MIN
 
 
-@pytest.mark.parametrize("name, module", [("token", block), ("bv", block), ("specinfer", tree)])
+@pytest.mark.parametrize("name, module", [("token", block), ("bv", block), ("specinfer", tree),
+                                          ("traversal", traversal)])
 def test_residual_p_instead_of_normalised_excess_fails(name, module, monkeypatch):
     monkeypatch.setattr(module, "normalise", lambda residual, fallback: fallback)  # residual := p
     target, drafter = toy_pair(3, 1)
@@ -336,6 +337,36 @@ def test_outcome_law_given_the_drafts_matches_reference(name, seed):
     assert observed.sum() == rows, "an outcome outside the exact law's support"
     expected = np.array([exact[e] for e in support]) * rows
     assert stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > P_MIN
+
+
+@pytest.mark.parametrize("vocab, L, K", [(3, 2, 3), (2, 3, 4), (4, 3, 3), (3, 1, 5)])
+def test_traversal_expected_accepted_given_the_drafts_matches_reference(vocab, L, K):
+    """The closed form (every uniform integrated out) equals the exact law's mean, draft tuple by draft tuple."""
+    for seed in range(6):
+        p_model = reference.RandModel(vocab, 31 + seed, zero_prob=0.2)
+        q_model = reference.RandModel(vocab, 41 + seed, zero_prob=0.2)
+        rng = np.random.default_rng(seed)
+        drafts = tuple(sample_path(q_model, L, rng) for _ in range(K))
+        exact = sum(prob * (len(emitted) - 1)
+                    for prob, emitted, _ in reference.outcomes("traversal", p_model, q_model, drafts))
+        mean = build_verifier("traversal").expected_accepted(*instance(p_model, q_model, drafts, rows=1))
+        assert mean.item() == pytest.approx(exact, abs=1e-12), drafts
+
+
+@pytest.mark.parametrize("anchor", reference.ANCHORS)
+@pytest.mark.parametrize("K", [1, 2])
+def test_traversal_anchor_mean_is_the_kernels_own_mean_over_all_drafts(anchor, K):
+    """docs/algorithms.md §12 from the kernel alone: its closed-form E[tau | drafts] averaged over every draft tuple,
+    one per row, weighted by its probability under q."""
+    p, q, L, _ = reference.ANCHORS[anchor]
+    p_model, q_model = reference.ConstModel(p), reference.ConstModel(q)
+    tuples = list(reference._draft_tuples(q_model, L, K))
+    x, q_rows, p_rows = (torch.cat(parts) for parts in zip(*(instance(p_model, q_model, drafts, rows=1)
+                                                                for drafts, _ in tuples)))
+    means = build_verifier("traversal").expected_accepted(x, q_rows, p_rows)
+    weights = torch.tensor([w for _, w in tuples], dtype=torch.float64)
+    exact = reference.expected_accepted("traversal", p_model, q_model, L, K)
+    assert (weights * means).sum().item() == pytest.approx(exact, abs=1e-12)
 
 
 def test_optimal_acceptance_matches_brute_force():

@@ -29,11 +29,12 @@ from .block import BlockVerifier, MultiPathVerifier, TokenVerifier
 from .bound import optimal_acceptance
 from .greedy import GreedyBlockVerifier, PendingLevels
 from .paper import PaperSpecTrGBVVerifier
+from .traversal import TraversalVerifier
 from .tree import NaiveVerifier, SpecInferVerifier, SpecTrVerifier
 
 VERIFIERS: dict[str, type[Verifier]] = {cls.name: cls for cls in (
     TokenVerifier, BlockVerifier, GreedyBlockVerifier, SpecTrVerifier, SpecInferVerifier, NaiveVerifier,
-    MultiPathVerifier, PaperSpecTrGBVVerifier)}
+    MultiPathVerifier, PaperSpecTrGBVVerifier, TraversalVerifier)}
 ALIASES = {"spectr_gbv": "gbv"}  # the project's lossless SpecTr-GBV is gbv
 CHOICES = (*VERIFIERS, *ALIASES)  # every built-in name a user may type
 

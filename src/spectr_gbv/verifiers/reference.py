@@ -368,6 +368,41 @@ def multipath(p, q, drafts):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# traversal: Weng et al.'s traversal verification on the draft trie (docs/algorithms.md §14)
+# ---------------------------------------------------------------------------------------------------------------
+def _children(drafts, v):
+    """The distinct next tokens of the drafts through v, in order of first appearance among the drafts: the order
+    that makes the next child a draw from q(.|v) without the children already visited (§14)."""
+    return list(dict.fromkeys(d[len(v)] for d in drafts if d[:len(v)] == v))
+
+
+def traversal(p, q, drafts):
+    """Leaf to root: test the first leaf in depth-first order with its weight; on a rejection delete it, turn its
+    parent's target into the weighted residual and drop the leaf's token from the parent's draft law."""
+    L, outs = len(drafts[0]), []
+
+    def visit(prob, v, w, target):
+        """Outcomes of the subtree of v, entered with weight w and target conditional `target` at v, are added to
+        outs; returns the probability that v itself is rejected (0 at the root, whose weight stays 1)."""
+        draft = q(v) if len(v) < L else None
+        for c in _children(drafts, v) if len(v) < L else []:
+            prob = visit(prob, v + (c,), min(1.0, w * target[c] / draft[c]), p(v + (c,)))
+            if prob <= 0:
+                return 0.0
+            excess = np.maximum(w * target - draft, 0.0)
+            total = excess.sum()
+            w = total / (total + (1 - w)) if total + (1 - w) > 0 else 1.0
+            target = _normalise(excess, target)
+            draft = _normalise(np.where(np.arange(len(draft)) == c, 0.0, draft), draft)
+        if w > 0:
+            outs.extend(_emit(prob * w, v, target, p))
+        return prob * (1 - w)
+
+    visit(1.0, (), 1.0, p(()))
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # spectr_gbv_paper: the published SpecTr-GBV rule as released (docs/algorithms.md §9); NOT lossless at T > 0
 # ---------------------------------------------------------------------------------------------------------------
 def spectr_gbv_paper(p, q, drafts):
@@ -433,6 +468,7 @@ LAWS = {
     "nss": _tree(_nss_node),
     "multipath": multipath,
     "spectr_gbv_paper": spectr_gbv_paper,
+    "traversal": traversal,
 }
 
 
