@@ -13,8 +13,9 @@ from spectr_gbv.experiment.config import validate
 from spectr_gbv.decoding.models import LoadedModel
 from spectr_gbv.verifiers import CHOICES, VERIFIERS
 
-MODEL_TARGETS = {"qwen": "spectr_gbv.decoding.models.packaged", "smollm2": "spectr_gbv.decoding.models.packaged",
-                 "hf": "spectr_gbv.decoding.models.pretrained", "tiny": "spectr_gbv.decoding.models.tiny"}
+PACKAGED = "spectr_gbv.decoding.gguf_packages.packaged"
+MODEL_TARGETS = {"qwen": PACKAGED, "smollm2": PACKAGED, "hf": "spectr_gbv.decoding.models.pretrained",
+                 "tiny": "spectr_gbv.decoding.tiny.tiny"}
 
 
 def options(group: str) -> list[str]:

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from spectr_gbv.decoding import costs
 from spectr_gbv.decoding.cache import COMMITTED, SlotCache, only_where, position_wise_modules
 from spectr_gbv.decoding.engine import SpeculativeEngine
-from spectr_gbv.decoding.models import tiny
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.decoding.sampling import Sampling, warp
 from spectr_gbv.verifiers import VERIFIERS, Verifier, VerifierOutput, build_verifier, verifier_names
 from spectr_gbv.verifiers.base import sample

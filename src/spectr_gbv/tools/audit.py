@@ -34,8 +34,10 @@ from rich.table import Table
 from rich.text import Text
 
 from spectr_gbv.decoding.engine import eos_ids
-from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, packaged, tiny
+from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.decoding.sampling import warp
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.tools.report import audit_table
 from spectr_gbv.verifiers import VERIFIERS, verifier_names
 from spectr_gbv.verifiers.reference import (
