@@ -5,10 +5,11 @@ import pytest
 import torch
 import transformers
 
-from spectr_gbv.decoding import gguf_packages
+from spectr_gbv.decoding import gguf_packages, precision
 from spectr_gbv.decoding.gguf_packages import packaged
 from spectr_gbv.decoding.linear import DynamicInt8Linear, Int8Linear, OneDNNLinear
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, pretrained
+from spectr_gbv.decoding.precision import CPU_CLASSES, auto_precision, cpu_class, resolve_precision
 from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.errors import ConfigError
 
@@ -72,7 +73,7 @@ def test_small_vocab_model_has_valid_special_ids_and_full_support():
         tiny(vocab_size=1)
 
 
-@pytest.mark.parametrize("kwargs, key", [({"dtype": "float16"}, "dtype='float16'"),
+@pytest.mark.parametrize("kwargs, key", [({"dtype": "int4"}, "dtype=int4: choose auto, float32"),
                                          ({"hidden_size": 30}, "hidden_size=30"),
                                          ({"num_layers": 0}, "num_layers=0"),
                                          ({"perturb": -1.0}, "perturb=-1.0")])
@@ -177,6 +178,77 @@ def test_bad_linear_layer_settings_are_refused(kwargs, message):
         tiny(**kwargs)
 
 
+# --- precision: dtype auto ------------------------------------------------------------------------------------------
+
+X86_AVX2 = {"sse4_2", "avx", "avx2", "fma"}
+
+
+@pytest.mark.parametrize("arch, flags, onednn, expected", [
+    ("x86_64", X86_AVX2 | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, True, "AMX-BF16"),
+    ("x86_64", X86_AVX2 | {"avx512f", "avx512_bf16"}, True, "AVX512-BF16"),
+    ("x86_64", X86_AVX2 | {"avx512f", "amx_tile"}, True, "x86 without bfloat16 units"),  # AMX without its bf16 part
+    ("x86_64", X86_AVX2, True, "x86 without bfloat16 units"),
+    ("x86_64", X86_AVX2, False, "other"),  # a torch without oneDNN
+    ("x86_64", None, True, "other"),  # no /proc/cpuinfo: nothing known
+    ("aarch64", None, True, "other"),  # ARM's /proc/cpuinfo lists "Features", not "flags"
+])
+def test_cpu_class_from_architecture_and_flags(arch, flags, onednn, expected):
+    assert cpu_class(arch, flags, onednn) == expected
+
+
+@pytest.mark.parametrize("device, cpu, cuda_bfloat16, dtype, kernel", [
+    ("cpu", "AMX-BF16", False, "bfloat16", None),
+    ("cpu", "AVX512-BF16", False, "bfloat16", None),
+    ("cpu", "x86 without bfloat16 units", False, "float32", "onednn"),
+    ("cpu", "other", False, "float32", None),
+    ("cuda", "other", True, "bfloat16", None),
+    ("cuda", "other", False, "float16", None),
+    ("mps", "other", False, "float32", None),
+])
+def test_auto_precision_for_each_device_and_cpu_class(device, cpu, cuda_bfloat16, dtype, kernel):
+    chosen = auto_precision(device, cpu, cuda_bfloat16)
+    assert (chosen.dtype, chosen.linear_kernel) == (dtype, kernel) and chosen.reason.startswith("auto")
+    if device == "cpu":
+        assert cpu in chosen.reason and CPU_CLASSES[cpu].why in chosen.reason
+
+
+@pytest.mark.parametrize("cpu", list(CPU_CLASSES))
+@pytest.mark.parametrize("settings, dtype, kernel, reason", [
+    (("auto", None, None), None, None, "auto, CPU class"),  # None: the class's own choice
+    (("bfloat16", None, None), "bfloat16", None, "given"),  # an explicit dtype wins
+    (("float32", None, None), "float32", None, "given"),  # ... and takes torch's own matmul unless told otherwise
+    (("float32", "onednn", None), "float32", "onednn", "given"),
+    (("auto", "onednn", None), "float32", "onednn", "the only dtype model.linear_kernel=onednn computes in"),
+    (("auto", None, "int8_dynamic"), "float32", None, "the only dtype model.quantize=int8_dynamic computes in"),
+])
+def test_explicit_settings_win_over_auto(monkeypatch, cpu, settings, dtype, kernel, reason):
+    monkeypatch.setattr(precision, "this_cpu", lambda: cpu)
+    chosen = resolve_precision("model.", *settings, "cpu")
+    if dtype is None:
+        dtype, kernel = CPU_CLASSES[cpu].dtype, CPU_CLASSES[cpu].linear_kernel
+    assert (chosen.dtype, chosen.linear_kernel) == (dtype, kernel)
+    assert reason in chosen.reason
+
+
+def test_auto_with_an_int8_drafter_keeps_the_classs_dtype(monkeypatch):
+    monkeypatch.setattr(precision, "this_cpu", lambda: "AVX512-BF16")
+    chosen = resolve_precision("drafter.", "auto", None, "int8", "cpu")
+    assert (chosen.dtype, chosen.linear_kernel) == ("bfloat16", None)
+    assert "drafter.quantize=int8 as given" in chosen.reason
+
+
+def test_a_bad_dtype_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match="drafter.dtype=half: choose auto, float32, bfloat16, float16, float64"):
+        resolve_precision("drafter.", "half", None, None, "cpu")
+
+
+@pytest.mark.parametrize("cpu, layer", [("x86 without bfloat16 units", OneDNNLinear), ("other", torch.nn.Linear)])
+def test_loaders_take_dtype_auto(monkeypatch, cpu, layer):
+    monkeypatch.setattr(precision, "this_cpu", lambda: cpu)
+    loaded = tiny(dtype="auto")
+    assert loaded.model.dtype == torch.float32 and type(loaded.model.lm_head) is layer
+
+
 # --- pretrained ----------------------------------------------------------------------------------------------------
 
 def test_pretrained_loads_a_saved_folder(tmp_path):
@@ -254,7 +326,8 @@ def test_command_line_prints_requirements_and_rejects_unknown_names(capsys):
 
 @pytest.fixture(scope="module")
 def qwen_pair():
-    return packaged("qwen2.5-coder-1.5b-instruct"), packaged("qwen2.5-coder-0.5b-instruct")
+    return (packaged("qwen2.5-coder-1.5b-instruct", dtype="bfloat16"),
+            packaged("qwen2.5-coder-0.5b-instruct", dtype="bfloat16"))
 
 
 @pytest.mark.slow

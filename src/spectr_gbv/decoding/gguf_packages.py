@@ -49,7 +49,7 @@ PACKAGED = {
 DEFAULT_PREPARE = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 
 
-def packaged(name: str, dtype: str = "bfloat16", device: str = "cpu", quantize: str | None = None,
+def packaged(name: str, dtype: str = "auto", device: str = "cpu", quantize: str | None = None,
              linear_kernel: str | None = None) -> LoadedModel:
     """A packaged real model, loaded from its bfloat16 copy in the cache (made on first use)."""
     loaded = pretrained(str(prepare(name)), dtype, device, quantize=quantize, linear_kernel=linear_kernel)

@@ -7,17 +7,18 @@ tiny()        random Llama-shaped models with a byte-level tokenizer, for tests 
 A model's linear layers can run on other kernels (linear.py); check_same_tokenizer says whether a target and a drafter
 mean the same thing by every token id.
 """
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import transformers
 
 from spectr_gbv.decoding.linear import check_linear_layers, with_linear_layers
+from spectr_gbv.decoding.precision import DTYPES, Precision, resolve_precision
 from spectr_gbv.errors import ModelUnavailable
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,10 +35,14 @@ class LoadedModel:
                                                   tokenize=True, return_dict=False)
 
 
-def torch_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not allowed; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+def settled_precision(dtype: str, linear_kernel: str | None, quantize: str | None, device: str) -> Precision:
+    """What a loader loads in: dtype auto made this machine's choice (precision.py), the linear layers' settings
+    checked against it."""
+    chosen = resolve_precision("", dtype, linear_kernel, quantize, device)
+    check_linear_layers("", quantize, chosen.linear_kernel, chosen.dtype, device)
+    if dtype == "auto":
+        log.info("dtype %s, linear_kernel %s (%s)", chosen.dtype, chosen.linear_kernel, chosen.reason)
+    return chosen
 
 
 # --- any model transformers loads -------------------------------------------------------------------------------
@@ -45,12 +50,13 @@ def torch_dtype(dtype: str) -> torch.dtype:
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2" or "org/name"
 
 
-def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file: str | None = None,
+def pretrained(path: str, dtype: str = "auto", device: str = "cpu", gguf_file: str | None = None,
                quantize: str | None = None, linear_kernel: str | None = None) -> LoadedModel:
     """Load a local folder (optionally with gguf_file inside it), a path to a .gguf file, or a hub id; quantize="int8"
     stores its linear layers' weights in int8 (see Int8Linear), "int8_dynamic" computes them in int8 (see
-    DynamicInt8Linear), linear_kernel="onednn" computes them on oneDNN (see OneDNNLinear)."""
-    check_linear_layers("", quantize, linear_kernel, dtype, device)
+    DynamicInt8Linear), linear_kernel="onednn" computes them on oneDNN (see OneDNNLinear); dtype="auto" is this
+    machine's choice (precision.py)."""
+    chosen = settled_precision(dtype, linear_kernel, quantize, device)
     local = Path(path).expanduser()
     if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
         local, gguf_file = local.parent, local.name
@@ -69,7 +75,7 @@ def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file
         kwargs = {"gguf_file": gguf_file, "quantization_config": transformers.GgufConfig(dequantize=True)}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype(dtype), device_map=device, **kwargs)
+            source, dtype=DTYPES[chosen.dtype], device_map=device, **kwargs)
     except OSError as error:
         if local.is_dir():  # a local folder: its own error says what is wrong with it
             raise
@@ -78,7 +84,8 @@ def pretrained(path: str, dtype: str = "float32", device: str = "cpu", gguf_file
                                "where the hub is reachable") from error
     tokenizer = transformers.AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
     name = Path(gguf_file).stem if gguf_file else Path(path).name
-    return LoadedModel(model=with_linear_layers(model.eval(), quantize, linear_kernel), tokenizer=tokenizer, name=name)
+    model = with_linear_layers(model.eval(), quantize, chosen.linear_kernel)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
 
 def check_same_tokenizer(target: LoadedModel, drafter: LoadedModel) -> None:

@@ -5,8 +5,9 @@ import math
 import torch
 import transformers
 
-from spectr_gbv.decoding.linear import check_linear_layers, with_linear_layers
-from spectr_gbv.decoding.models import LoadedModel, torch_dtype
+from spectr_gbv.decoding.linear import with_linear_layers
+from spectr_gbv.decoding.models import LoadedModel, settled_precision
+from spectr_gbv.decoding.precision import DTYPES
 
 
 def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidden_size: int = 64, perturb: float = 0.0,
@@ -27,7 +28,7 @@ def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidd
         raise ValueError(f"num_layers={num_layers} is not allowed; use at least 1")
     if perturb < 0:
         raise ValueError(f"perturb={perturb} is not allowed; use a relative noise scale >= 0")
-    check_linear_layers("", quantize, linear_kernel, dtype, device)
+    chosen = settled_precision(dtype, linear_kernel, quantize, device)
     # Llama, not Qwen2: for model_type qwen2 AutoTokenizer ignores the saved tokenizer class, so a saved tiny
     # model would reload with a Qwen2 tokenizer that maps bytes to nothing.
     config = transformers.LlamaConfig(
@@ -51,7 +52,8 @@ def tiny(seed: int = 0, vocab_size: int | None = None, num_layers: int = 2, hidd
         add_relative_noise(model, perturb, seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model = with_linear_layers(model.to(device=device, dtype=torch_dtype(dtype)).eval(), quantize, linear_kernel)
+    model = model.to(device=device, dtype=DTYPES[chosen.dtype]).eval()
+    model = with_linear_layers(model, quantize, chosen.linear_kernel)
     name = f"tiny(seed={seed}, vocab={vocab_size}, perturb={perturb})"
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 

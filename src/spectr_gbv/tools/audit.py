@@ -98,7 +98,8 @@ def instance_table(title, p, q, L, K):
 DATASET_CONF = Path(__file__).resolve().parents[3] / "conf" / "dataset"
 DATASETS = tuple(OmegaConf.load(DATASET_CONF / "all.yaml").defaults)  # the five, as dataset=all lists them
 PAIRS = {  # --models: the real pair, or tiny random models for the tests (hidden flag)
-    "qwen": lambda: (packaged("qwen2.5-coder-1.5b-instruct"), packaged("qwen2.5-coder-0.5b-instruct")),
+    "qwen": lambda: (packaged("qwen2.5-coder-1.5b-instruct", dtype="bfloat16"),  # the study's, on every machine
+                     packaged("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")),
     "tiny": lambda: (tiny(seed=0), tiny(seed=0, perturb=0.5)),
 }
 SUPPORT, DEPTH, PROMPTS, GREEDY_TOKENS, DRAFTS = 6, 2, 4, 8, (1, 2, 3)
