@@ -51,7 +51,8 @@ DEFAULT_PREPARE = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 
 def packaged(name: str, dtype: str = "auto", device: str = "cpu", quantize: str | None = None,
              linear_kernel: str | None = None) -> LoadedModel:
-    """A packaged real model, loaded from its bfloat16 copy in the cache (made on first use)."""
+    """A packaged real model, loaded from its bfloat16 copy in the cache (made on first use) in `dtype` (auto: this
+    machine's choice, precision.py)."""
     loaded = pretrained(str(prepare(name)), dtype, device, quantize=quantize, linear_kernel=linear_kernel)
     loaded.name = name
     return loaded
