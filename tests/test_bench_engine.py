@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from spectr_gbv.decoding.costs import cpu_name
 from spectr_gbv.decoding.engine import DecodeRecord
+from spectr_gbv.decoding.precision import cpu_name
 from spectr_gbv.tools.bench_engine import BatchRun, main
 
 
@@ -67,7 +67,7 @@ def test_other_linear_layers_are_named_with_the_machine(flag, named, capsys, res
 
 
 @pytest.mark.parametrize("flag", [["--max-new-tokens", "0"], ["--block-length", "-1"], ["--repeats", "0"],
-                                  ["--dtype", "float16"], ["--batch-prompts", "0"], ["--prompts", "99"],
+                                  ["--dtype", "int4"], ["--batch-prompts", "0"], ["--prompts", "99"],
                                   ["--dtype", "bfloat16", "--linear-kernel", "onednn"],
                                   ["--drafter-dtype", "float64", "--drafter-quantize", "int8"]])
 def test_bad_flag_values_exit_nonzero(flag, capsys):

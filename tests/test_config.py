@@ -8,13 +8,15 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import open_dict
 
 from conftest import CONF, TINY
+from spectr_gbv.decoding import precision
+from spectr_gbv.decoding.models import LoadedModel
 from spectr_gbv.errors import ConfigError
 from spectr_gbv.experiment.config import validate
-from spectr_gbv.decoding.models import LoadedModel
 from spectr_gbv.verifiers import CHOICES, VERIFIERS
 
-MODEL_TARGETS = {"qwen": "spectr_gbv.decoding.models.packaged", "smollm2": "spectr_gbv.decoding.models.packaged",
-                 "hf": "spectr_gbv.decoding.models.pretrained", "tiny": "spectr_gbv.decoding.models.tiny"}
+PACKAGED = "spectr_gbv.decoding.gguf_packages.packaged"
+MODEL_TARGETS = {"qwen": PACKAGED, "smollm2": PACKAGED, "hf": "spectr_gbv.decoding.models.pretrained",
+                 "tiny": "spectr_gbv.decoding.tiny.tiny"}
 
 
 def options(group: str) -> list[str]:
@@ -110,11 +112,39 @@ def test_wandb_sweep_is_the_hydra_preset(make_cfg, capsys):
     (["model.quantize=int8", "model.dtype=float64"], "model.quantize=int8: needs dtype float32 or bfloat16 (here"),
     (["drafter.linear_kernel=blas"], "drafter.linear_kernel=blas: choose null (torch's own matmul) or onednn"),
     (["model.linear_kernel=onednn", "model.dtype=float64"], "model.linear_kernel=onednn: needs dtype float32"),
+    (["model.dtype=half"], "model.dtype=half: choose auto, float32, bfloat16, float16, float64"),
 ])
 def test_bad_knobs_are_refused(make_cfg, overrides, message):
     with pytest.raises(ConfigError) as error:
         validate(make_cfg(*TINY, *overrides))
     assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize("overrides, model, drafter", [
+    ([], ("float32", "onednn", "auto"), ("float32", "onednn", "auto")),
+    (["model.dtype=bfloat16"], ("bfloat16", None, "given"), ("float32", "onednn", "auto")),  # explicit wins
+    (["drafter.quantize=int8_dynamic"], ("float32", "onednn", "auto"), ("float32", None, "auto: float32")),
+    (["drafter.dtype=float32"], ("float32", "onednn", "auto"), ("float32", None, "given")),  # torch's own matmul
+])
+def test_validate_settles_dtype_auto_in_the_config(make_cfg, monkeypatch, overrides, model, drafter):
+    """The real models' dtype auto becomes this machine's choice in the config itself (here an x86 CPU without
+    bfloat16 units), so the header, job.json, summary.json and W&B hold what ran; `precision` says why."""
+    monkeypatch.setattr(precision, "this_cpu", lambda: "x86 without bfloat16 units")
+    cfg = make_cfg(*overrides)
+    assert cfg.precision is None
+    validate(cfg)
+    for side, (dtype, kernel, reason) in (("model", model), ("drafter", drafter)):
+        assert (cfg[side].dtype, cfg[side].linear_kernel) == (dtype, kernel)
+        assert cfg.precision[side].dtype == dtype and cfg.precision[side].reason.startswith(reason)
+    assert cfg.module.precision == cfg.precision and cfg.module.model_config.dtype == model[0]
+
+
+def test_tiny_models_name_their_dtype(make_cfg):
+    """Tests' numbers must not move with the machine: the tiny configs say float32 (auto would pick per machine)."""
+    cfg = make_cfg(*TINY)
+    validate(cfg)
+    assert cfg.precision.model.reason == cfg.precision.drafter.reason == "given"
+    assert cfg.model.dtype == cfg.drafter.dtype == "float32" and cfg.model.linear_kernel is None
 
 
 def test_hub_ids_pass_validation(make_cfg):

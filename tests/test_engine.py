@@ -11,11 +11,11 @@ import transformers
 from scipy.stats import chisquare
 from transformers import DynamicCache
 
-from spectr_gbv.decoding import costs
+from spectr_gbv.decoding import precision
 from spectr_gbv.decoding.cache import COMMITTED, SlotCache, only_where, position_wise_modules
 from spectr_gbv.decoding.engine import SpeculativeEngine
-from spectr_gbv.decoding.models import tiny
 from spectr_gbv.decoding.sampling import Sampling, warp
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.verifiers import VERIFIERS, Verifier, VerifierOutput, build_verifier, verifier_names
 from spectr_gbv.verifiers.base import sample
 
@@ -479,7 +479,7 @@ def test_bad_engine_arguments_are_refused(greedy_pair):
 def test_bfloat16_without_the_cpus_bfloat16_units_is_flagged(monkeypatch, flags, warned):
     """Only where the CPU is known to lack AMX-BF16 and AVX512-BF16 (None: no /proc/cpuinfo), and only for bfloat16
     linear weights: int8 weights with bfloat16 activations run on their own kernel."""
-    monkeypatch.setattr(costs, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
     for settings, expected in [(dict(dtype="bfloat16"), warned), (dict(dtype="float32"), False),
                                (dict(dtype="bfloat16", quantize="int8"), False)]:
         model = tiny(seed=0, **settings)

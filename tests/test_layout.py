@@ -41,7 +41,7 @@ def test_the_report_and_the_records_do_not_import_torch():
 
 
 @pytest.mark.parametrize("tool", ["tools.audit", "tools.bench", "tools.bench_engine", "tools.report",
-                                  "tools.wandb_sweep", "tools.wandb_dashboard", "decoding.models"])
+                                  "tools.wandb_sweep", "tools.wandb_dashboard", "decoding.gguf_packages"])
 def test_every_command_line_refuses_an_unknown_flag(tool, capsys):
     import importlib
 

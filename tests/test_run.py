@@ -72,9 +72,21 @@ def test_run_writes_predictions_and_summary(single):
 
 
 def test_a_run_ends_with_a_short_summary(tmp_path):
-    done = run_py("limit=2", "logger=wandb", f"hydra.run.dir={tmp_path}",
+    """...and names the precision dtype auto chose and why, as do its header, summary.json and W&B's config."""
+    done = run_py("limit=2", "logger=wandb", "model.dtype=auto", "drafter.dtype=auto", f"hydra.run.dir={tmp_path}",
                   env={"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline"})
     assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    chosen = summary["precision"]["model"]
+    assert chosen == summary["precision"]["drafter"] and chosen["reason"].startswith("auto")
+    assert (chosen["dtype"], chosen["linear_kernel"]) == (summary["model_config"]["dtype"],
+                                                          summary["model_config"]["linear_kernel"])
+    kernel = f" on {chosen['linear_kernel']}" if chosen["linear_kernel"] else ""
+    assert f"model and drafter: {chosen['dtype']}{kernel} ({chosen['reason']})" in done.stdout
+    header = done.stdout.split("Testing")[0]
+    assert "precision" in header and "reason: " in header and chosen["reason"][:20] in header
+    [wandb_run] = (tmp_path / "wandb").glob("offline-run-*/*.wandb")
+    assert json.dumps(chosen["reason"]).encode() in wandb_run.read_bytes()  # the config W&B logged
     lines = done.stdout.strip().splitlines()
     assert lines[-3:-1] == [f"records: {tmp_path / 'predictions.jsonl'}", f"summary: {tmp_path / 'summary.json'}"]
     assert lines[-1].startswith(f"W&B run: {tmp_path / 'wandb'}/offline-run-")

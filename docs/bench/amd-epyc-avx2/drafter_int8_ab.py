@@ -12,9 +12,10 @@ import time
 
 import torch
 
-from spectr_gbv.decoding.costs import machine
+from spectr_gbv.decoding.precision import machine
 from spectr_gbv.decoding.engine import SpeculativeEngine
-from spectr_gbv.decoding.models import packaged, tiny
+from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.tools.bench_engine import PROMPTS, load_pair
 

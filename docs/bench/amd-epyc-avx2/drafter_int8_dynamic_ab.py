@@ -15,9 +15,12 @@ import warnings
 
 import torch
 
-from spectr_gbv.decoding.costs import forward_seconds, machine
+from spectr_gbv.decoding.costs import forward_seconds
+from spectr_gbv.decoding.precision import machine
 from spectr_gbv.decoding.engine import SpeculativeEngine
-from spectr_gbv.decoding.models import OneDNNLinear, packaged, tiny
+from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.linear import OneDNNLinear
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.tools.bench_engine import PROMPTS
 

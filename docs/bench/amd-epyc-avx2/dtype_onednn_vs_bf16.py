@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from spectr_gbv.decoding.costs import machine
+from spectr_gbv.decoding.precision import machine
 from spectr_gbv.decoding.engine import SpeculativeEngine
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.tools.bench_engine import PROMPTS, load_pair

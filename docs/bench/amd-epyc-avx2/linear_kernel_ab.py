@@ -16,7 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from spectr_gbv.decoding.costs import forward_seconds, machine
+from spectr_gbv.decoding.costs import forward_seconds
+from spectr_gbv.decoding.precision import machine
 from spectr_gbv.decoding.engine import SpeculativeEngine
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.tools.bench_engine import PROMPTS, load_pair

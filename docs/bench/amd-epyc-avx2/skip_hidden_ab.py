@@ -12,7 +12,7 @@ import time
 import torch
 
 import spectr_gbv.decoding.cache as cache_module
-from spectr_gbv.decoding.costs import machine
+from spectr_gbv.decoding.precision import machine
 from spectr_gbv.decoding.engine import SpeculativeEngine
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.tools.bench_engine import PROMPTS, load_pair

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from spectr_gbv.decoding.cache import PAD_TOKEN, SlotCache
-from spectr_gbv.decoding.costs import emulated_bfloat16
 from spectr_gbv.decoding.draft_tree import node_labels, nodes_at, on_path, representatives
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
+from spectr_gbv.decoding.precision import emulated_bfloat16
 from spectr_gbv.decoding.sampling import Sampling, warp
 from spectr_gbv.errors import ConfigError
 from spectr_gbv.verifiers import build_verifier, verifier_class
@@ -164,7 +164,7 @@ class SpeculativeEngine:
                 warnings.warn(f"the {role} runs in bfloat16 on a CPU without AMX-BF16 or AVX512-BF16, where "
                               "bfloat16 matmuls are emulated: a pass over n positions or rows costs about n passes "
                               "over one, so drafts and batches pay little; float32 on oneDNN can be faster "
-                              f"({key}.dtype=float32 {key}.linear_kernel=onednn; docs/performance.md)")
+                              f"({key}.dtype=auto, the default, picks it there; docs/performance.md)")
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.num_drafts, self.block_length = num_drafts, block_length
         self.eos_ids = eos_ids(target)

@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from spectr_gbv.decoding.precision import CPU_CLASSES, this_cpu
 from spectr_gbv.experiment.records import records_in
 
 
@@ -23,7 +24,8 @@ class SplitCpuThreads(Callback):
 
 
 class RunSummary(Callback):
-    """What a person reads at the end of a run: per dataset, the block efficiency with its standard error, the mean
+    """What a person reads at the end of a run: each model's precision and why, and a quantized drafter where one
+    made speculation faster on this class of CPU; per dataset, the block efficiency with its standard error, the mean
     accepted length, tokens/s and the speedup when measured (with its cost-model limit); then where the records,
     summary and W&B run are.
     Printed at teardown, after the progress bar (listed before it) has closed its live display."""
@@ -51,11 +53,37 @@ class RunSummary(Callback):
                 speedup += f" ({m['speed_limit']:.2f}x)"
             table.add_row(name, str(m["prompts"]), f"{m['block_efficiency']:.2f}{se}",
                           f"{m['mean_accepted_length']:.2f}", f"{m['tokens_per_s']:.2f}", speedup)
+        for line in precision_lines(summary):
+            print(line)
+        if summary["drafter"] is not None and (tip := drafter_tip(pl_module.hparams.drafter_config)):
+            print(tip)
         Console().print(table)
         print(f"records: {folder / 'predictions.jsonl'}\nsummary: {folder / 'summary.json'}")  # paths unwrapped
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 print(f"W&B run: {Path(logger.experiment.dir).parent}")
+
+
+def precision_lines(summary: dict) -> list[str]:
+    """Each model's dtype, linear kernel and why, one line for both models where they agree."""
+    sides: dict[str, list[str]] = {}
+    for side, precision in (summary["precision"] or {}).items():
+        if summary[side] is not None:  # no drafter under `ar`
+            kernel = f" on {precision['linear_kernel']}" if precision["linear_kernel"] else ""
+            sides.setdefault(f"{precision['dtype']}{kernel} ({precision['reason']})", []).append(side)
+    return [f"{' and '.join(names)}: {text}" for text, names in sides.items()]
+
+
+def drafter_tip(drafter: dict) -> str | None:
+    """The quantized drafter that made speculation faster on this class of CPU (CPU_CLASSES), for a CPU drafter that
+    is not quantized; opt-in, since it moves the drafter's laws and so the block efficiency."""
+    cpu = this_cpu()
+    paid = CPU_CLASSES[cpu]
+    if drafter["device"] != "cpu" or drafter.get("quantize") or paid.drafter_quantize is None:
+        return None
+    return (f"tip: on CPUs of class {cpu}, drafter.dtype={paid.dtype} drafter.quantize={paid.drafter_quantize} made "
+            "speculation faster at batch_size=1 (docs/performance.md); it moves the drafter's laws, and so the block "
+            "efficiency")
 
 
 class WandbExtras(Callback):

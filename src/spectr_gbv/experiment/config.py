@@ -3,7 +3,7 @@ run before anything loads) and the one-line messages a user sees for a bad input
 
 conf/config.yaml holds the values; `Config` below only says what type each top-level knob has.
 """
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,7 +20,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spectr_gbv.decoding.engine import check_settings
-from spectr_gbv.decoding.models import check_linear_layers
+from spectr_gbv.decoding.linear import check_linear_layers
+from spectr_gbv.decoding.precision import resolve_precision
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
 from spectr_gbv.verifiers import verifier_class
@@ -56,6 +57,8 @@ class Config:
     seed: int = MISSING
     baseline: bool = MISSING  # also decode every prompt with `ar` and report the speedup
     output_dir: str = MISSING
+    # set by validate(): each model's dtype, linear kernel and why (dtype auto: this machine's choice)
+    precision: Any = None
     # built from the knobs above in conf/config.yaml
     module: Any = MISSING
     data: Any = MISSING
@@ -76,7 +79,8 @@ OmegaConf.register_new_resolver("sweep_group", sweep_group, replace=True)
 
 def validate(cfg: DictConfig) -> None:
     """Range checks that types cannot express, before any model loads; raises ConfigError on the first bad knob.
-    The sampling settings and the engine's knobs are checked by their own code (one place per rule)."""
+    The sampling settings and the engine's knobs are checked by their own code (one place per rule). Last, each
+    model's precision is settled (settle_precision)."""
     Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, draft_temperature=cfg.draft_temperature)
     check_target(cfg.verifier)
     check_settings(cfg.verifier.name, cfg.num_drafts, cfg.block_length, cfg.max_new_tokens)
@@ -91,11 +95,24 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(key, cfg[key], allowed)
     for side in ("model", "drafter"):
         check_model_path(side, cfg[side])
-        check_linear_layers(f"{side}.", cfg[side].get("quantize"), cfg[side].get("linear_kernel"), cfg[side].dtype,
-                            cfg[side].device)
     if cfg.trainer.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator", cfg.trainer.accelerator,
                           "no CUDA device here (or torch is a CPU build); use trainer=cpu or trainer=ddp_cpu")
+    settle_precision(cfg)
+
+
+def settle_precision(cfg: DictConfig) -> None:
+    """Each model's dtype `auto` replaced by this machine's choice in the config itself, and `precision` set to what
+    each model runs in and why: the run's header prints it, summary.json and W&B's config hold it, and job.json holds
+    the dtype that ran (a job resumed where auto chooses otherwise is refused: its records are of another dtype)."""
+    precision = {}
+    for side in ("model", "drafter"):
+        node = cfg[side]
+        chosen = resolve_precision(f"{side}.", node.dtype, node.get("linear_kernel"), node.get("quantize"), node.device)
+        check_linear_layers(f"{side}.", node.get("quantize"), chosen.linear_kernel, chosen.dtype, node.device)
+        node.dtype, node.linear_kernel = chosen.dtype, chosen.linear_kernel
+        precision[side] = asdict(chosen)
+    cfg.precision = precision
 
 
 def check_target(verifier: DictConfig) -> None:

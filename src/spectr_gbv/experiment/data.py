@@ -9,7 +9,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 
-from spectr_gbv.decoding.models import package_folder
+from spectr_gbv.decoding.gguf_packages import package_folder
 from spectr_gbv.errors import ConfigError
 
 

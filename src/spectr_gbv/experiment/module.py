@@ -14,8 +14,9 @@ from hydra.utils import instantiate
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from spectr_gbv.decoding.costs import BareCosts, machine
+from spectr_gbv.decoding.costs import BareCosts
 from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine, Stopped
+from spectr_gbv.decoding.precision import machine
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.experiment import records
 from spectr_gbv.experiment.metrics import COUNTERS, TIMES, aggregate, counters, scalars
@@ -27,8 +28,10 @@ UNRECORDED_MACHINE = "machine not recorded"  # of records written before records
 class SpeculativeEvaluation(LightningModule):
     def __init__(self, verifier: str, num_drafts: int, block_length: int, temperature: float,
                  draft_temperature: float | None, top_k: int, top_p: float, max_new_tokens: int, seed: int,
-                 baseline: bool, model_config: dict, drafter_config: dict, output_dir: str):
-        """model_config, drafter_config: nodes that instantiate to a loader of a LoadedModel (conf/model/)."""
+                 baseline: bool, model_config: dict, drafter_config: dict, output_dir: str,
+                 precision: dict | None):
+        """model_config, drafter_config: nodes that instantiate to a loader of a LoadedModel (conf/model/); precision:
+        each model's dtype, linear kernel and why (config.settle_precision), for summary.json."""
         super().__init__()
         self.save_hyperparameters(logger=False)  # run.py logs the whole config instead
         self.sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -39,7 +42,7 @@ class SpeculativeEvaluation(LightningModule):
     def job(self, datamodule: LightningDataModule) -> dict:
         """The knobs that make this job's records what they are (job.json, the head of summary.json)."""
         knobs = {**self.hparams, **datamodule.hparams}
-        del knobs["output_dir"]  # where, not what
+        del knobs["output_dir"], knobs["precision"]  # where and why, not what (the dtypes are in the model configs)
         return knobs
 
     # ---- setup: models, engines, what earlier attempts already recorded -------------------------------------
@@ -126,6 +129,7 @@ class SpeculativeEvaluation(LightningModule):
             self.add_speed_limits(metrics)
         self.summary = {**self.job(self.trainer.datamodule), "model": self.target.name,
                         "drafter": self.drafter.name if self.drafter else None,
+                        "precision": self.hparams.precision,
                         "world_size": self.trainer.world_size,
                         "machine": self.machines(),
                         "metrics": metrics}

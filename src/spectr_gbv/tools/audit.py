@@ -42,8 +42,10 @@ from rich.table import Table
 from rich.text import Text
 
 from spectr_gbv.decoding.engine import eos_ids
-from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, packaged, tiny
+from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.decoding.sampling import warp
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.errors import ConfigError
 from spectr_gbv.tools.report import audit_table
 from spectr_gbv.verifiers import VERIFIERS, Verifier, verifier_class, verifier_names
@@ -107,7 +109,8 @@ def instance_table(title, p, q, L, K):
 DATASET_CONF = Path(__file__).resolve().parents[3] / "conf" / "dataset"
 DATASETS = tuple(OmegaConf.load(DATASET_CONF / "all.yaml").defaults)  # the five, as dataset=all lists them
 PAIRS = {  # --models: the real pair, or tiny random models for the tests (hidden flag)
-    "qwen": lambda: (packaged("qwen2.5-coder-1.5b-instruct"), packaged("qwen2.5-coder-0.5b-instruct")),
+    "qwen": lambda: (packaged("qwen2.5-coder-1.5b-instruct", dtype="bfloat16"),  # the study's, on every machine
+                     packaged("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")),
     "tiny": lambda: (tiny(seed=0), tiny(seed=0, perturb=0.5)),
 }
 SUPPORT, DEPTH, PROMPTS, GREEDY_TOKENS, DRAFTS = 6, 2, 4, 8, (1, 2, 3)

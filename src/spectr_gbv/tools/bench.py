@@ -13,7 +13,7 @@ import argparse
 import torch
 from torch.utils.benchmark import Timer
 
-from spectr_gbv.decoding.costs import machine
+from spectr_gbv.decoding.precision import machine
 from spectr_gbv.verifiers import VERIFIERS, build_verifier, verifier_names
 
 NAMES = verifier_names()

@@ -27,18 +27,14 @@ from rich.console import Console
 from rich.table import Table
 from transformers import GenerationConfig
 
-from spectr_gbv.decoding.costs import BareCosts, machine
+from spectr_gbv.decoding.costs import BareCosts
 from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine
-from spectr_gbv.decoding.models import (
-    DTYPES,
-    LINEAR_KERNELS,
-    QUANTIZE,
-    LoadedModel,
-    check_linear_layers,
-    packaged,
-    tiny,
-)
+from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.linear import LINEAR_KERNELS, QUANTIZE, check_linear_layers
+from spectr_gbv.decoding.models import LoadedModel
+from spectr_gbv.decoding.precision import DTYPES, machine
 from spectr_gbv.decoding.sampling import Sampling
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.errors import ConfigError
 
 PROMPTS = [
