@@ -65,9 +65,8 @@ class Int8Linear(torch.nn.Module):
 class OneDNNLinear(torch.nn.Module):
     """A float32 linear layer computed by oneDNN from a weight reordered once into oneDNN's layout (the op torch's
     compiler uses for packed CPU linears). torch's own float32 matmul on a CPU is MKL's sgemm, which on some CPUs is
-    slow for the few rows of a decoding step: on an AVX2-only AMD EPYC a [8960 x 1536] weight took 8.8 ms for 5 rows
-    against 2.7 for one, and 2.0 ms for 5 rows through this layer (README, Models). The same float32 math, summed in
-    another order."""
+    slow for the few rows of a decoding step, where a weight reordered once for oneDNN is not (docs/performance.md).
+    The same float32 math, summed in another order."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -80,8 +79,8 @@ class OneDNNLinear(torch.nn.Module):
 
 class DynamicInt8Linear(torch.nn.Module):
     """A float32 linear layer computed in int8 by torch's x86 kernel (fbgemm): the weight stored in int8 with one
-    scale per output channel, each position's activations scaled to int8 at run time, products summed in int32. On
-    the AVX2-only AMD EPYC a drafter step ran 2.3-2.5x faster than float32 on oneDNN (README, Models). The kernel
+    scale per output channel, each position's activations scaled to int8 at run time, products summed in int32: for
+    CPUs where a float32 drafter step is slow even on oneDNN (docs/performance.md). The kernel
     scales its whole input by one range; dividing each position by its largest magnitude, and appending a row that
     spans [-1, 1], fixes that range, so each position gets its own scale and its outputs do not depend on the other
     positions in the pass (batch invariance, README: Engine). The laws move more than with int8 weights alone;
