@@ -23,6 +23,7 @@ from spectr_gbv.decoding.engine import check_settings
 from spectr_gbv.decoding.models import check_linear_layers
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
+from spectr_gbv.experiment.arena import arena_verifiers, check_replicas
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Config:
     seed: int = MISSING
     baseline: bool = MISSING  # also decode every prompt with `ar` and report the speedup
     output_dir: str = MISSING
+    # mode=arena only (conf/mode/arena.yaml): the verifiers scored on the reference's drafts, replicas per context
+    verifiers: Optional[list[str]] = None
+    replicas: Optional[int] = None
     # built from the knobs above in conf/config.yaml
     module: Any = MISSING
     data: Any = MISSING
@@ -84,6 +88,7 @@ def validate(cfg: DictConfig) -> None:
     for key, ok, allowed in checks:
         if not ok:
             raise ConfigError(key, cfg[key], allowed)
+    validate_mode(cfg)
     for side in ("model", "drafter"):
         check_model_path(side, cfg[side])
         check_linear_layers(f"{side}.", cfg[side].get("quantize"), cfg[side].get("linear_kernel"), cfg[side].dtype,
@@ -91,6 +96,18 @@ def validate(cfg: DictConfig) -> None:
     if cfg.trainer.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator", cfg.trainer.accelerator,
                           "no CUDA device here (or torch is a CPU build); use trainer=cpu or trainer=ddp_cpu")
+
+
+def validate_mode(cfg: DictConfig) -> None:
+    """The arena's knobs (conf/mode/arena.yaml) are checked by the arena's own code; elsewhere they would be
+    silently ignored, so they are refused."""
+    if HydraConfig.get().runtime.choices.get("mode") == "arena":
+        arena_verifiers(cfg.verifiers, cfg.verifier.name)
+        check_replicas(cfg.replicas)
+        return
+    for key in ("verifiers", "replicas"):
+        if cfg[key] is not None:
+            raise ConfigError(key, cfg[key], "only with mode=arena, the verifier arena")
 
 
 def check_model_path(side: str, model: DictConfig) -> None:
