@@ -273,8 +273,8 @@ def arena_tables(folder: Path) -> tuple[str, list[dict]]:
                  f"iteration ({'-' if verify is None else f'{verify:.1f}'} ms in its verifier), block efficiency "
                  f"{decode['block_efficiency']:.2f}. E[tau] given the drafts (± standard error over contexts; "
                  "exact, or a mean of replicas where marked ~):", "",
-                 "| verifier@k | contexts | E[tau] | vs reference@k [95%] | first-token acceptance | alpha* | ms/call |",
-                 "|" + "---|" * 7]
+                 "| verifier@k | contexts | E[tau] | vs reference@k [95%] | first-token acceptance | alpha* "
+                 "| ms/call |", "|" + "---|" * 7]
         for name, row in overall["verifiers"].items():
             found = row["difference"]
             se = "" if row["expected_accepted_se"] is None else f" ± {row['expected_accepted_se']:.3f}"
