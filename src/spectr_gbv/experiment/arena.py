@@ -36,10 +36,11 @@ TABLE = ("verifier", "contexts", "expected_accepted", "expected_accepted_se", "d
 
 def arena_verifiers(specs: list[str] | None, reference: str) -> list[str]:
     """The verifiers an arena scores, checked (a bad entry is one line naming `verifiers`): every built-in one for
-    None, the reference first when the list lacks it (the paired differences are against it), no repeats."""
-    if reference == "ar":
-        raise ConfigError("verifier", reference, "the arena needs a speculative reference decode; choose a lossless "
-                          f"verifier ({', '.join(verifier_names(lossless=True))})")
+    None, the reference first when the list lacks it (the paired differences are against it), no repeats. The
+    reference must be lossless: its contexts then follow the target's law."""
+    if reference == "ar" or not verifier_class(reference).lossless:
+        raise ConfigError("verifier", reference, "the arena needs a lossless speculative reference decode; choose "
+                          f"one of {', '.join(verifier_names(lossless=True))}")
     names = verifier_names() if specs is None else list(specs)
     for spec in names:
         verifier_class(spec, key="verifiers")
