@@ -179,9 +179,9 @@ def test_arena_knobs_are_checked_before_any_model_loads(make_cfg):
     assert str(error.value).startswith("verifiers=nope: unknown verifier; choose one of")
     with pytest.raises(ConfigError, match="replicas=0: must be >= 1"):
         validate(make_cfg(*TINY, "mode=arena", "replicas=0"))
-    for reference in ("ar", "spectr_gbv_paper"):
-        with pytest.raises(ConfigError, match=f"verifier={reference}: the arena needs a lossless speculative"):
-            validate(make_cfg(*TINY, "mode=arena", f"verifier={reference}", "num_drafts=1"))
+    for decoder in ("ar", "spectr_gbv_paper"):
+        with pytest.raises(ConfigError, match=f"verifier={decoder}: the arena needs a lossless speculative"):
+            validate(make_cfg(*TINY, "mode=arena", f"verifier={decoder}", "num_drafts=1"))
     with pytest.raises(ConfigError, match="verifiers=.*only with mode=arena"):
         validate(make_cfg(*TINY, "verifiers=[token]"))
     default = make_cfg(*TINY)  # python run.py alone: the evaluation as before
