@@ -1,4 +1,5 @@
 """Run one evaluation (or, with -m, a sweep of them): python run.py verifier=gbv num_drafts=4 dataset=all
+With mode=arena, every verifier is scored on the drafts of that decode instead (spectr_gbv.experiment.arena).
 
 Composes conf/config.yaml, checks it, then lets Lightning's test loop decode every prompt (see
 spectr_gbv.experiment.module).

@@ -339,31 +339,18 @@ def test_outcome_law_given_the_drafts_matches_reference(name, seed):
     assert stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > P_MIN
 
 
-@pytest.mark.parametrize("vocab, L, K", [(3, 2, 3), (2, 3, 4), (4, 3, 3), (3, 1, 5)])
-def test_traversal_expected_accepted_given_the_drafts_matches_reference(vocab, L, K):
-    """The closed form (every uniform integrated out) equals the exact law's mean, draft tuple by draft tuple."""
-    for seed in range(6):
-        p_model = reference.RandModel(vocab, 31 + seed, zero_prob=0.2)
-        q_model = reference.RandModel(vocab, 41 + seed, zero_prob=0.2)
-        rng = np.random.default_rng(seed)
-        drafts = tuple(sample_path(q_model, L, rng) for _ in range(K))
-        exact = sum(prob * (len(emitted) - 1)
-                    for prob, emitted, _ in reference.outcomes("traversal", p_model, q_model, drafts))
-        mean = build_verifier("traversal").expected_accepted(*instance(p_model, q_model, drafts, rows=1))
-        assert mean.item() == pytest.approx(exact, abs=1e-12), drafts
-
-
 @pytest.mark.parametrize("anchor", reference.ANCHORS)
 @pytest.mark.parametrize("K", [1, 2])
 def test_traversal_anchor_mean_is_the_kernels_own_mean_over_all_drafts(anchor, K):
-    """docs/algorithms.md §12 from the kernel alone: its closed-form E[tau | drafts] averaged over every draft tuple,
-    one per row, weighted by its probability under q."""
+    """docs/algorithms.md §12 from the kernel alone: its closed-form law of tau given the drafts (accepted_law, checked
+    draft tuple by draft tuple in test_arena.py) averaged over every draft tuple, one per row, weighted by its
+    probability under q."""
     p, q, L, _ = reference.ANCHORS[anchor]
     p_model, q_model = reference.ConstModel(p), reference.ConstModel(q)
     tuples = list(reference._draft_tuples(q_model, L, K))
     x, q_rows, p_rows = (torch.cat(parts) for parts in zip(*(instance(p_model, q_model, drafts, rows=1)
                                                                 for drafts, _ in tuples)))
-    means = build_verifier("traversal").expected_accepted(x, q_rows, p_rows)
+    means = build_verifier("traversal").accepted_law(x, q_rows, p_rows) @ torch.arange(L + 1, dtype=torch.float64)
     weights = torch.tensor([w for _, w in tuples], dtype=torch.float64)
     exact = reference.expected_accepted("traversal", p_model, q_model, L, K)
     assert (weights * means).sum().item() == pytest.approx(exact, abs=1e-12)

@@ -27,8 +27,11 @@ from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.decoding.precision import emulated_bfloat16
 from spectr_gbv.decoding.sampling import Sampling, warp
 from spectr_gbv.errors import ConfigError
-from spectr_gbv.verifiers import build_verifier, verifier_class
+from spectr_gbv.verifiers import VerifierOutput, build_verifier, verifier_class
 from spectr_gbv.verifiers.base import sample
+
+# on_iteration(prompt indices of the rows, tokens [B, K, L], q [B, K, L, V], p [B, K, L+1, V], the verifier's output)
+IterationHook = Callable[[list[int], Tensor, Tensor, Tensor, VerifierOutput], None]
 
 
 @dataclass
@@ -175,10 +178,12 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, generators: list[torch.Generator],
                        on_finish: Callable[[int, DecodeRecord], None] | None = None,
-                       should_stop: Callable[[], bool] | None = None) -> list[DecodeRecord]:
+                       should_stop: Callable[[], bool] | None = None,
+                       on_iteration: IterationHook | None = None) -> list[DecodeRecord]:
         """Decode the prompts together, prompt i with generators[i]; on_finish(i, record) is called as soon as
         prompt i is done (records are final then). When should_stop() turns True, raises Stopped before the next
-        iteration."""
+        iteration. on_iteration sees every verification: the rows' prompt indices, the drafts, their laws and the
+        verifier's decision (the verifier arena scores other verifiers on them); its time is charged to no record."""
         if not prompts or any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         if len(generators) != len(prompts):
@@ -188,7 +193,7 @@ class SpeculativeEngine:
         if self.verifier is None:
             self._autoregressive(rows)
         else:
-            self._speculative(rows)
+            self._speculative(rows, on_iteration)
         return rows.records
 
     def _autoregressive(self, rows: Rows) -> None:
@@ -207,7 +212,7 @@ class SpeculativeEngine:
                 cache.select_rows(going.to(cache.lengths.device))
             cache.compact()
 
-    def _speculative(self, rows: Rows) -> None:
+    def _speculative(self, rows: Rows, on_iteration: IterationHook | None) -> None:
         # Invariant between iterations: each cache holds a prefix of every row's committed ids, and the tokens past
         # it are fed at the next pass, the last of them as the root of the draft trie (its pass returns p at the
         # block start). The caches start empty: the first iteration reads the prompts in its own passes, as
@@ -223,7 +228,8 @@ class SpeculativeEngine:
             p, first, positions = self._score(target, rows, tokens)
             after_score = time.perf_counter()
             dtype = torch.promote_types(p.dtype, q.dtype)
-            out = self.verifier(tokens, q.to(dtype), p.to(dtype), generator=rows.generators, state=state)
+            q, p = q.to(dtype), p.to(dtype)
+            out = self.verifier(tokens, q, p, generator=rows.generators, state=state)
             accepted, winner = out.num_accepted.to(tokens.device), out.draft_index.to(tokens.device)
             # each row emits its winning draft's accepted tokens, then the recovered or bonus token
             emitted = [path[:n] + [token] for path, n, token in zip(
@@ -242,6 +248,8 @@ class SpeculativeEngine:
                                                 accepted.clamp(max=self.block_length - 1)))
             rows.charge("total_time", time.perf_counter() - started)
             rows.count_iteration(positions, accepted.tolist(), winner.tolist())
+            if on_iteration is not None:
+                on_iteration(list(rows.active), tokens, q, p, out)
             state = out.state
             going = rows.emit(emitted)
             if not rows:

@@ -26,8 +26,8 @@ class SplitCpuThreads(Callback):
 class RunSummary(Callback):
     """What a person reads at the end of a run: each model's precision and why, and a quantized drafter where one
     made speculation faster on this class of CPU; per dataset, the block efficiency with its standard error, the mean
-    accepted length, tokens/s and the speedup when measured (with its cost-model limit); then where the records,
-    summary and W&B run are.
+    accepted length, tokens/s and the speedup when measured (with its cost-model limit), an arena job's comparison;
+    then where the records, summary and W&B run are.
     Printed at teardown, after the progress bar (listed before it) has closed its live display."""
 
     @rank_zero_only
@@ -58,6 +58,8 @@ class RunSummary(Callback):
         if summary["drafter"] is not None and (tip := drafter_tip(pl_module.hparams.drafter_config)):
             print(tip)
         Console().print(table)
+        if "arena" in summary:
+            Console().print(arena_table(summary["arena"]))
         print(f"records: {folder / 'predictions.jsonl'}\nsummary: {folder / 'summary.json'}")  # paths unwrapped
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
@@ -84,6 +86,25 @@ def drafter_tip(drafter: dict) -> str | None:
     return (f"tip: on CPUs of class {cpu}, drafter.dtype={paid.dtype} drafter.quantize={paid.drafter_quantize} made "
             "speculation faster at batch_size=1 (docs/performance.md); it moves the drafter's laws, and so the block "
             "efficiency")
+
+
+def arena_table(arena: dict):
+    """The verifier arena over all its contexts (mode=arena): E[tau] given the drafts per verifier@k (~: a mean of
+    replicas), its paired difference against the reference at the same k, first-token acceptance beside alpha*."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    overall = arena["datasets"]["overall"]
+    table = Table(title=f"arena: {overall['decode']['iterations']} contexts, differences against "
+                        f"{arena['reference']}@k", title_justify="left")
+    for column in ("verifier@k", "E[tau]", "difference [95%]", "first token", "alpha*", "ms/call"):
+        table.add_column(escape(column), justify="left" if column == "verifier@k" else "right")
+    for name, row in overall["verifiers"].items():
+        found = row["difference"]
+        difference = "" if found is None else f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]"
+        table.add_row(name + ("" if row["exact"] else " ~"), f"{row['expected_accepted']:.3f}", difference,
+                      f"{row['first_token_acceptance']:.3f}", f"{row['alpha_star']:.3f}", f"{row['ms_per_call']:.2f}")
+    return table
 
 
 class WandbExtras(Callback):

@@ -24,6 +24,7 @@ from spectr_gbv.decoding.linear import check_linear_layers
 from spectr_gbv.decoding.precision import resolve_precision
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
+from spectr_gbv.experiment.arena import arena_verifiers, check_replicas
 from spectr_gbv.verifiers import verifier_class
 
 
@@ -59,6 +60,9 @@ class Config:
     output_dir: str = MISSING
     # set by validate(): each model's dtype, linear kernel and why (dtype auto: this machine's choice)
     precision: Any = None
+    # mode=arena only (conf/mode/arena.yaml): the verifiers scored on the reference's drafts, replicas per context
+    verifiers: Optional[list[str]] = None
+    replicas: Optional[int] = None
     # built from the knobs above in conf/config.yaml
     module: Any = MISSING
     data: Any = MISSING
@@ -93,6 +97,7 @@ def validate(cfg: DictConfig) -> None:
     for key, ok, allowed in checks:
         if not ok:
             raise ConfigError(key, cfg[key], allowed)
+    validate_mode(cfg)
     for side in ("model", "drafter"):
         check_model_path(side, cfg[side])
     if cfg.trainer.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
@@ -122,6 +127,18 @@ def check_target(verifier: DictConfig) -> None:
     elif OmegaConf.is_interpolation(verifier, "name"):  # verifier=custom, whose name is its target, without one
         raise ConfigError("verifier.target", None, "required with verifier=custom: module.path:ClassName of a "
                           "spectr_gbv.verifiers.Verifier subclass in a module on PYTHONPATH")
+
+
+def validate_mode(cfg: DictConfig) -> None:
+    """The arena's knobs (conf/mode/arena.yaml) are checked by the arena's own code; elsewhere they would be
+    silently ignored, so they are refused."""
+    if HydraConfig.get().runtime.choices.get("mode") == "arena":
+        arena_verifiers(cfg.verifiers, cfg.verifier.name)
+        check_replicas(cfg.replicas)
+        return
+    for key in ("verifiers", "replicas"):
+        if cfg[key] is not None:
+            raise ConfigError(key, cfg[key], "only with mode=arena, the verifier arena")
 
 
 def check_model_path(side: str, model: DictConfig) -> None:

@@ -15,7 +15,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from spectr_gbv.decoding.costs import BareCosts
-from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine, Stopped
+from spectr_gbv.decoding.engine import DecodeRecord, IterationHook, SpeculativeEngine, Stopped
 from spectr_gbv.decoding.precision import machine
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.experiment import records
@@ -90,7 +90,7 @@ class SpeculativeEvaluation(LightningModule):
         def write(index: int, out: DecodeRecord) -> None:
             prompt = prompts[index]
             record = {**prompt, "output": self.target.tokenizer.decode(out.output_ids, skip_special_tokens=True),
-                      **record_fields(out), "machine": self.machine}
+                      **record_fields(out), "machine": self.machine, **self.extra_fields(prompt)}
             if baseline is not None:
                 record["baseline"] = {"new_tokens": baseline[index].new_tokens,
                                       "total_time": baseline[index].total_time}
@@ -98,7 +98,15 @@ class SpeculativeEvaluation(LightningModule):
             self.recorded[(prompt["dataset"], prompt["prompt_id"])] = record
 
         self.engine.generate_batch(prompt_ids, max_new_tokens, self.generators(prompts), on_finish=write,
-                                   should_stop=self.stop_requested)
+                                   should_stop=self.stop_requested, on_iteration=self.iteration_hook(prompts))
+
+    def iteration_hook(self, prompts: list[dict]) -> IterationHook | None:
+        """What watches each verification of these prompts (the verifier arena's, experiment/arena.py); none here."""
+        return None
+
+    def extra_fields(self, prompt: dict) -> dict:
+        """What a finished prompt's record holds besides the decode's fields (the arena's contexts); none here."""
+        return {}
 
     def stop_requested(self) -> bool:
         """Lightning's SIGTERM handler only flags the trainer and its loop checks between batches, which can take

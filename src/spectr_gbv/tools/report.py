@@ -5,12 +5,14 @@
 
 Reads each summary.json (one per job) and any real-distribution audit (`audit --real --json`) below the folder,
 writes report.md and report.csv into the folder and prints the tables: by dataset in the paper's Table 1 shape when
-jobs ran several, the paired differences of the paper's orderings, the speed against its cost-model limit when jobs
+jobs ran several, the paired differences of the paper's orderings, each verifier-arena job's comparison on identical
+drafts (mode=arena, with its forest plot arena_differences.png), the speed against its cost-model limit when jobs
 ran with baseline=true, agreement with `ar` at temperature 0, the audit, then all rows. It draws PNGs with
 matplotlib, one line per verifier: block efficiency against num_drafts (a panel per block length), against
 block_length (a panel per draft count) and against temperature, and, with baseline=true, the speedup over `ar`
 against num_drafts and each speedup beside its limit. The summaries carry no optimal-transport bound (computing it
-needs the models' distributions at every prefix), so the plots draw none; the audit has it on exact instances.
+needs the models' distributions at every prefix), so the plots draw none; the audit has it on exact instances, an
+arena job at the root of every context.
 """
 import argparse
 import csv
@@ -234,7 +236,8 @@ def verdict(entry: dict) -> str:
     return f"unresolved, the interval holds 0 ({overall['prompts']} prompts)"
 
 
-def forest_plot(entries: list[dict], path: Path) -> None:
+def forest_plot(entries: list[dict], path: Path,
+                xlabel: str = "difference in block efficiency per prompt:\nmean and 95% interval") -> None:
     """The paired differences as 95% intervals, one row per ordering (overall), zero marked."""
     figure, axis = plt.subplots(figsize=(7, 0.45 * len(entries) + 1.2))
     for row, entry in enumerate(entries):
@@ -244,11 +247,49 @@ def forest_plot(entries: list[dict], path: Path) -> None:
     axis.axvline(0, color="gray", linestyle="--")
     axis.set_yticks(range(len(entries)), [f"{entry['label']} ({entry['setting']})" for entry in entries])
     axis.invert_yaxis()
-    axis.set_xlabel("difference in block efficiency per prompt:\nmean and 95% interval")
+    axis.set_xlabel(xlabel)
     axis.grid(alpha=0.3, axis="x")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def arena_tables(folder: Path) -> tuple[str, list[dict]]:
+    """Each verifier-arena job (mode=arena) below the folder: per verifier@k over all its contexts, E[tau] given the
+    drafts with its standard error, the paired difference against the reference verifier at the same k with its
+    95% bootstrap interval, the first-token acceptance beside the optimal-transport bound alpha* and the ms per call;
+    the reference decode's cost above it. Returns the Markdown and the intervals (for the forest plot)."""
+    text, entries = [], []
+    for path in sorted(folder.rglob("summary.json"), key=job_order):
+        summary = json.loads(path.read_text())
+        if "arena" not in summary or "overall" not in summary["arena"]["datasets"]:
+            continue
+        reference, overall = summary["arena"]["reference"], summary["arena"]["datasets"]["overall"]
+        setting = f"L={summary['block_length']} T={summary['temperature']}"
+        decode = overall["decode"]
+        verify = decode["verify_ms_per_iteration"]
+        text += [f"Verifier arena ({path.parent.relative_to(folder)}): {summary['model']} <- {summary['drafter']}, "
+                 f"{setting}, drafts of {reference} K={summary['num_drafts']} over {decode['prompts']} prompts "
+                 f"({decode['iterations']} contexts); that decode took {decode['ms_per_iteration']:.1f} ms per "
+                 f"iteration ({'-' if verify is None else f'{verify:.1f}'} ms in its verifier), block efficiency "
+                 f"{decode['block_efficiency']:.2f}. E[tau] given the drafts (± standard error over contexts; "
+                 "exact, or a mean of replicas where marked ~):", "",
+                 "| verifier@k | contexts | E[tau] | vs reference@k [95%] | first-token acceptance | alpha* "
+                 "| ms/call |", "|" + "---|" * 7]
+        for name, row in overall["verifiers"].items():
+            found = row["difference"]
+            se = "" if row["expected_accepted_se"] is None else f" ± {row['expected_accepted_se']:.3f}"
+            difference = ("" if found is None else
+                          f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]")
+            text.append(f"| {name}{'' if row['exact'] else ' ~'} | {row['contexts']} | "
+                        f"{row['expected_accepted']:.3f}{se} | {difference} | {row['first_token_acceptance']:.3f} | "
+                        f"{row['alpha_star']:.3f} | {row['ms_per_call']:.2f} |")
+            if found is not None:
+                k = name.rpartition("@")[2]
+                entries.append({"label": f"{name} - {reference}@{k}", "setting": setting,
+                                "intervals": {"overall": found}})
+        text.append("")
+    return "\n".join(text), entries
 
 
 def dataset_bars(rows: list[dict], path: Path) -> bool:
@@ -334,12 +375,16 @@ def report(folder: Path) -> str:
                          "folder")
     paired, entries = paired_table(rows, folder)
     speed, speed_jobs = speed_table(rows)
-    tables = (dataset_table(rows), paired, speed, greedy_agreement(rows, folder),
+    arena, arena_entries = arena_tables(folder)
+    tables = (dataset_table(rows), paired, arena, speed, greedy_agreement(rows, folder),
               *[audit_table(audit) for audit in audits], write_tables(rows, folder) if rows else "")
     markdown = "\n".join(table for table in tables if table)
     (folder / "report.md").write_text(markdown)
     if entries:
         forest_plot(entries, folder / "paired_differences.png")
+    if arena_entries:
+        forest_plot(arena_entries, folder / "arena_differences.png",
+                    xlabel="difference in E[tau] per context, same drafts:\nmean and 95% interval")
     if speed_jobs:
         speed_bars(speed_jobs, folder / "speedup_vs_limit.png")
     dataset_bars(rows, folder / "block_efficiency_by_dataset.png")

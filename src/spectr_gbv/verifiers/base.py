@@ -64,6 +64,13 @@ class Verifier:
                state: Any) -> VerifierOutput:
         raise NotImplementedError
 
+    def accepted_law(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> Tensor | None:
+        """The law of tau given these drafts, P(num_accepted = i), i = 0..L [B, L+1], with the verifier's uniforms
+        integrated out, from a fresh state (state=None): E[tau | drafts] and the first-token acceptance P(tau >= 1)
+        without sampling noise. None where no closed form is written; the verifier arena then averages replicas of
+        calls (spectr_gbv.experiment.arena)."""
+        return None
+
 
 def check_inputs(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> None:
     """Reject what would silently give wrong laws; zeros (top-k / top-p truncation) are legal."""
@@ -163,6 +170,14 @@ def last_success(h: Tensor, u: Tensor) -> Tensor:
     """The accepted count max{i >= 1 : u_i < h_i} (strict, see above), 0 if none; h, u [B, L] hold positions 1..L."""
     positions = torch.arange(1, h.shape[-1] + 1, device=h.device)
     return ((u < h) * positions).amax(-1)
+
+
+def last_success_law(h: Tensor) -> Tensor:
+    """The law of last_success(h, u) over uniform u [B, L+1]: P(tau = i) = h_i prod_{j>i} (1 - h_j),
+    P(tau = 0) = prod_j (1 - h_j)."""
+    none_from = (1 - h).flip(-1).cumprod(-1).flip(-1)  # [:, i]: no success at positions i+1..L
+    none_above = torch.cat([none_from[:, 1:], torch.ones_like(h[:, :1])], -1)
+    return torch.cat([none_from[:, :1], h * none_above], -1)
 
 
 def pick(x: Tensor, index: Tensor) -> Tensor:

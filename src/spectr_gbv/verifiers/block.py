@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Verifier, VerifierOutput, last_success, normalise, pick, sample, token_probs, uniforms
+from .base import (Verifier, VerifierOutput, last_success, last_success_law, normalise, pick, sample, token_probs,
+                   uniforms)
 
 
 def recovered_or_bonus(p: Tensor, q: Tensor, accepted: Tensor, weight: Tensor, generator) -> Tensor:
@@ -31,6 +32,13 @@ class TokenVerifier(Verifier):
         accepted = passes.long().cumprod(-1).sum(-1)  # up to the first rejection
         next_token = recovered_or_bonus(p, q, accepted, torch.ones_like(p[:, 0, 0]), generator)
         return VerifierOutput(accepted, torch.zeros_like(accepted), next_token)
+
+    def accepted_law(self, draft_tokens, draft_probs, target_probs):
+        """P(tau >= i) = prod_{j<=i} min(1, p_j/q_j): the differences of its reach."""
+        x, q, p = draft_tokens[:, 0], draft_probs[:, 0], target_probs[:, 0]
+        reach = (token_probs(p, x) / token_probs(q, x)).clamp(max=1).cumprod(-1)
+        reach = torch.cat([torch.ones_like(reach[:, :1]), reach, torch.zeros_like(reach[:, :1])], -1)
+        return reach[:, :-1] - reach[:, 1:]
 
 
 def bv_acceptance(x: Tensor, q: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
@@ -65,6 +73,9 @@ class BlockVerifier(Verifier):
     def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
         accepted, next_token = block_verify(draft_tokens[:, 0], draft_probs[:, 0], target_probs[:, 0], generator)
         return VerifierOutput(accepted, torch.zeros_like(accepted), next_token)
+
+    def accepted_law(self, draft_tokens, draft_probs, target_probs):
+        return last_success_law(bv_acceptance(draft_tokens[:, 0], draft_probs[:, 0], target_probs[:, 0])[0])
 
 
 def best_path(tokens: Tensor, q: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,11 +135,22 @@ class MultiPathVerifier(Verifier):
     name = "multipath"
 
     def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
+        selected, x, q_skewed, p_nodes = self.selected_path(draft_tokens, draft_probs, target_probs)
+        accepted, next_token = block_verify(x, q_skewed, p_nodes, generator)
+        return VerifierOutput(accepted, selected, next_token)
+
+    def accepted_law(self, draft_tokens, draft_probs, target_probs):
+        _, x, q_skewed, p_nodes = self.selected_path(draft_tokens, draft_probs, target_probs)
+        return last_success_law(bv_acceptance(x, q_skewed, p_nodes)[0])
+
+    @staticmethod
+    def selected_path(draft_tokens, draft_probs, target_probs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The draft index of the best path [B], its tokens [B, L], its skewed draft law [B, L, V] and the target
+        along it [B, L+1, V]: what block verification then runs on."""
         B, K, L = draft_tokens.shape
         selected, node_rows = best_path(draft_tokens, draft_probs, target_probs)
         x = pick(draft_tokens, selected)
         rows, positions = torch.arange(B)[:, None], torch.arange(L, device=draft_tokens.device)
         q_nodes = draft_probs[rows, node_rows, positions]
         p_nodes = torch.cat([target_probs[rows, node_rows, positions], pick(target_probs, selected)[:, L:]], 1)
-        accepted, next_token = block_verify(x, skewed_draft(x, q_nodes, p_nodes, K), p_nodes, generator)
-        return VerifierOutput(accepted, selected, next_token)
+        return selected, x, skewed_draft(x, q_nodes, p_nodes, K), p_nodes

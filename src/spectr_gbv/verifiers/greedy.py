@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .base import Verifier, VerifierOutput, last_success, pick, sample, token_probs, uniforms
+from .base import Verifier, VerifierOutput, last_success, last_success_law, pick, sample, token_probs, uniforms
 
 MAX_LOG_RATIO = 80.0  # exp(80) is finite in float32; larger ratios only occur on zero-mass nodes
 ALL_ROWS = slice(None)  # the index for every row: what it selects is a view, not a copy
@@ -268,6 +268,15 @@ class GreedyBlockVerifier(Verifier):
             remaining=torch.stack([torch.where(done, 0, (lv.end - emitted).clamp_min(0)) for lv in levels], -1),
         )
         return VerifierOutput(accepted, draft_index, next_token, compact(pending))
+
+    def accepted_law(self, draft_tokens, draft_probs, target_probs):
+        """One draft: the greedy coupling's own h (§4.1) from a fresh state. Several: None, RGBV's chain of
+        residual levels has no closed form written here."""
+        if draft_tokens.shape[1] > 1:
+            return None
+        x, q, L = draft_tokens[:, 0], draft_probs[:, 0], draft_tokens.shape[-1]
+        log_s = torch.cat([torch.zeros_like(q[:, :1, 0]), token_probs(q, x).log().cumsum(-1)], -1)
+        return last_success_law(greedy_acceptance(target_probs[:, 0, :L], q, x, log_s, L))
 
 
 def live_nodes(common: Tensor, anchors: list[tuple[int, Tensor]], block_length: int) -> Tensor:

@@ -150,13 +150,15 @@ class TraversalVerifier(Verifier):
                 break
         return VerifierOutput(accepted, draft_index, sample(law, generator))
 
-    def expected_accepted(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> Tensor:
-        """E[num_accepted] [B] float64 given the drafts: test t is reached if every earlier one failed."""
+    def accepted_law(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> Tensor:
+        """P(num_accepted = i), i = 0..L [B, L+1] float64, given the drafts: the order of the tests is fixed by the
+        trie, and test t decides the outcome when every earlier one failed."""
         check_inputs(draft_tokens, draft_probs, target_probs)
-        reach = torch.ones(draft_tokens.shape[0], dtype=torch.float64, device=draft_tokens.device)
-        mean = torch.zeros_like(reach)
+        B, _, L = draft_tokens.shape
+        reach = torch.ones(B, dtype=torch.float64, device=draft_tokens.device)
+        law = torch.zeros(B, L + 1, dtype=torch.float64, device=draft_tokens.device)
         for test in traversal_tests(draft_tokens, draft_probs, target_probs):
             w = test.weight.double() * test.live
-            mean += reach * w * test.depth
+            law.scatter_add_(1, test.depth[:, None], (reach * w)[:, None])
             reach = reach * (1 - w)
-        return mean
+        return law

@@ -47,6 +47,37 @@ class TreeVerifier(Verifier):
         """p, q [B, V] at the node; children [B, K] next draft tokens (valid where alive). Returns a token ~ p."""
         raise NotImplementedError
 
+    def node_law(self, p: Tensor, q: Tensor, children: Tensor, alive: Tensor) -> Tensor:
+        """The law of choose()'s token [B, V], its uniforms integrated out (same arguments)."""
+        raise NotImplementedError
+
+    def accepted_law(self, draft_tokens, draft_probs, target_probs):
+        """Forward over the trie: P(tau >= d + 1) is the mass of reaching a node at depth d and choosing one of its
+        children, the reach of a child that of its parent times the parent's node law there."""
+        B, K, L = draft_tokens.shape
+        common = (draft_tokens[:, :, None] == draft_tokens[:, None]).long().cumprod(-1).sum(-1)  # [B, K, K]
+        drafts = torch.arange(K, device=draft_tokens.device)
+        earlier = drafts[None, :] < drafts[:, None]  # [j, j']: j' < j
+        reach = torch.ones_like(draft_probs[:, :, 0, 0])  # [B, K]: of the node draft k is at
+        at_least = []
+        for d in range(L):
+            alive = common >= d  # [B, K, K]: the drafts through draft k's node at depth d
+            row = first_alive(alive)  # [B, K]: as in verify(), a node's distributions come from one row
+            p = target_probs[:, :, d].gather(1, row[..., None].expand(-1, -1, target_probs.shape[-1]))
+            q = draft_probs[:, :, d].gather(1, row[..., None].expand(-1, -1, draft_probs.shape[-1]))
+            children = draft_tokens[:, :, d]
+            law = self.node_law(p.flatten(0, 1), q.flatten(0, 1), children.repeat_interleave(K, 0),
+                                alive.flatten(0, 1)).view(B, K, -1)
+            at_child = law.gather(-1, children[:, None].expand(-1, K, -1))  # [B, K, K]: node k's law at j's child
+            same_token = children[:, :, None] == children[:, None, :]  # [B, j, j']
+            repeated = (alive[:, :, None, :] & same_token[:, None] & earlier).any(-1)  # j's child came earlier
+            child_mass = (at_child * (alive & ~repeated)).sum(-1)
+            names_node = row == drafts  # count each node once
+            at_least.append((reach * child_mass * names_node).sum(-1))
+            reach = reach * at_child.diagonal(dim1=1, dim2=2)
+        at_least = torch.stack([torch.ones_like(at_least[0]), *at_least, torch.zeros_like(at_least[0])], -1)
+        return at_least[:, :-1] - at_least[:, 1:]
+
 
 class NaiveVerifier(TreeVerifier):
     """NSS: sample from the target and descend if it happens to be a child."""
@@ -55,6 +86,9 @@ class NaiveVerifier(TreeVerifier):
 
     def choose(self, p, q, children, alive, generator):
         return sample(p, generator)
+
+    def node_law(self, p, q, children, alive):
+        return p
 
 
 class SpecInferVerifier(TreeVerifier):
@@ -75,6 +109,17 @@ class SpecInferVerifier(TreeVerifier):
             current = torch.where(rejected, normalise((current - q).clamp_min(0), current), current)
         return torch.where(chosen >= 0, chosen, sample(current, generator))
 
+    def node_law(self, p, q, children, alive):
+        law, reach, current = torch.zeros_like(p), torch.ones_like(p[:, 0]), p
+        for j in range(children.shape[1]):
+            c = children[:, j:j + 1]
+            accept = (current.gather(-1, c) / q.gather(-1, c)).squeeze(-1).clamp(max=1)
+            accept = torch.where(alive[:, j], accept, 0.0)  # q(c) may be 0 where draft j is elsewhere
+            law.scatter_add_(-1, c, (reach * accept)[:, None])
+            reach = reach * (1 - accept)
+            current = torch.where(alive[:, j:j + 1], normalise((current - q).clamp_min(0), current), current)
+        return law + reach[:, None] * current
+
 
 def kseq_rho(p: Tensor, q: Tensor, k: Tensor) -> Tensor:
     """Smallest rho in [1, k] with 1 - (1 - beta(rho))^k <= rho beta(rho), by bisection; the upper end is always
@@ -94,15 +139,27 @@ class SpecTrVerifier(TreeVerifier):
     name = "spectr"
 
     def choose(self, p, q, children, alive, generator):
-        k = alive.sum(-1).to(p.dtype)
-        rho = kseq_rho(p, q, k)
-        capped = torch.minimum(q, p / rho[:, None])
-        beta = capped.sum(-1)
-        u = uniforms(children.shape, p, generator)
-        ratio = p.gather(-1, children) / (rho[:, None] * q.gather(-1, children))
-        accepted = alive & (u < ratio)
+        ratio, residual = kseq_node(p, q, children, alive)
+        accepted = alive & (uniforms(children.shape, p, generator) < ratio)
         first = accepted.long().argmax(-1)
-        scale = torch.where(beta > 0, (1 - (1 - beta) ** k) / beta.clamp_min(torch.finfo(p.dtype).tiny), 0.0)
-        residual = normalise((p - capped * scale[:, None]).clamp_min(0), p)
         return torch.where(accepted.any(-1), children.gather(-1, first[:, None]).squeeze(-1),
                            sample(residual, generator))
+
+    def node_law(self, p, q, children, alive):
+        ratio, residual = kseq_node(p, q, children, alive)
+        accept = torch.where(alive, ratio.clamp(max=1), 0.0)
+        passed_over = torch.cat([torch.ones_like(accept[:, :1]), (1 - accept).cumprod(-1)], -1)  # all before j reject
+        law = torch.zeros_like(p).scatter_add_(-1, children, passed_over[:, :-1] * accept)
+        return law + passed_over[:, -1:] * residual
+
+
+def kseq_node(p: Tensor, q: Tensor, children: Tensor, alive: Tensor) -> tuple[Tensor, Tensor]:
+    """K-SEQ at a node (§5.2): each candidate's acceptance ratio p/(rho* q) [B, K] (accepted while u < ratio) and
+    the residual law after every candidate is rejected [B, V]."""
+    k = alive.sum(-1).to(p.dtype)
+    rho = kseq_rho(p, q, k)
+    capped = torch.minimum(q, p / rho[:, None])
+    beta = capped.sum(-1)
+    ratio = p.gather(-1, children) / (rho[:, None] * q.gather(-1, children))
+    scale = torch.where(beta > 0, (1 - (1 - beta) ** k) / beta.clamp_min(torch.finfo(p.dtype).tiny), 0.0)
+    return ratio, normalise((p - capped * scale[:, None]).clamp_min(0), p)

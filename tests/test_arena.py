@@ -1,0 +1,220 @@
+"""The verifier arena (mode=arena): exact accepted laws against the reference, identical drafts for every verifier,
+the variance it removes, and run.py mode=arena end to end with a killed job resumed."""
+import json
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY
+from spectr_gbv.decoding.cache import PAD_TOKEN
+from spectr_gbv.decoding.engine import SpeculativeEngine
+from spectr_gbv.decoding.models import tiny
+from spectr_gbv.decoding.sampling import Sampling
+from spectr_gbv.errors import ConfigError
+from spectr_gbv.experiment.arena import Arena, arena_verifiers, draft_digest
+from spectr_gbv.experiment.config import validate
+from spectr_gbv.verifiers import VERIFIERS, build_verifier, reference, verifier_names
+from spectr_gbv.verifiers.tree import NaiveVerifier
+from test_run import records, run_py
+from test_verifiers import instance, sample_path
+
+# verifier: the draft counts where accepted_law() has a closed form
+CLOSED_FORM = {"token": [1], "bv": [1], "gbv": [1], "multipath": [1, 2, 3], "nss": [1, 2, 3],
+               "specinfer": [1, 2, 3], "spectr": [1, 2, 3], "traversal": [1, 2, 3, 4]}
+# accept every token when the drafter is the target
+FULL_ACCEPTANCE = ["token", "bv", "gbv", "specinfer", "spectr", "traversal"]
+
+
+def stack(rows):
+    return [torch.cat(parts) for parts in zip(*rows)]
+
+
+@pytest.mark.parametrize("name", CLOSED_FORM)
+def test_accepted_law_is_the_reference_law_given_the_drafts(name):
+    """V = 3, so drafts often share prefixes: the tree rules' trie walk is tested on shared nodes too."""
+    for K in CLOSED_FORM[name]:
+        for seed in range(3):
+            p_model = reference.RandModel(3, 11 + seed, zero_prob=0.2)
+            q_model = reference.RandModel(3, 21 + seed, concentration=0.5)
+            rng = np.random.default_rng(seed)
+            drafts = tuple(sample_path(q_model, 3, rng) for _ in range(K))
+            exact = np.zeros(4)
+            for prob, emitted, _ in reference.outcomes(name, p_model, q_model, drafts):
+                exact[len(emitted) - 1] += prob
+            law = build_verifier(name).accepted_law(*instance(p_model, q_model, drafts, rows=1))
+            # spectr: its kernel bisects rho* to within ~1e-12 (tree.RHO_BISECTION_STEPS), the reference to the bit
+            np.testing.assert_allclose(law[0].numpy(), exact, atol=1e-11 if name == "spectr" else 1e-14)
+
+
+def test_rules_without_a_closed_form_say_so():
+    p_model, q_model = reference.RandModel(3, 1), reference.RandModel(3, 2)
+    drafts = instance(p_model, q_model, [(0, 1), (2, 2)], rows=1)
+    assert build_verifier("gbv").accepted_law(*drafts) is None  # RGBV's chain of levels
+    assert build_verifier("spectr_gbv_paper").accepted_law(*drafts) is None
+
+
+def test_token_scores_its_closed_form():
+    """sum_i prod_{j<=i} min(1, p_j/q_j) per context, in float64, through the arena."""
+    p_model, q_model, rng = reference.RandModel(4, 5), reference.RandModel(4, 6), np.random.default_rng(0)
+    drafts = [sample_path(q_model, 3, rng) for _ in range(8)]
+    tokens, q, p = stack([instance(p_model, q_model, [draft], rows=1) for draft in drafts])
+    contexts = Arena(["token"], 1, replicas=1, seed=0).score(tokens, q, p, [str(i) for i in range(8)])
+    for draft, context in zip(drafts, contexts):
+        ratios = [min(1.0, p_model(draft[:i])[draft[i]] / q_model(draft[:i])[draft[i]]) for i in range(3)]
+        closed_form = sum(np.prod(ratios[:i]) for i in range(1, 4))
+        assert abs(context["verifiers"]["token@1"]["expected_accepted"] - closed_form) < 1e-12
+        assert context["verifiers"]["token@1"]["se"] is None  # exact
+
+
+def decode_with_arena(arena: Arena, perturb: float, K: int, L: int, max_new_tokens: int = 8):
+    """A float64 tiny pair decoded with gbv, the arena watching; also returns each row's drafts per iteration."""
+    target = tiny(0, dtype="float64")
+    drafter = tiny(0, perturb=perturb, dtype="float64")
+    engine = SpeculativeEngine(target, drafter, "gbv", K, L, Sampling(1.0))
+    prompts = [{"dataset": "tiny", "prompt_id": i, "prompt": text} for i, text in enumerate(["Hello", "Once"])]
+    seen = {0: [], 1: []}
+    watch = arena.watch(prompts)
+
+    def on_iteration(indices, tokens, q, p, out):
+        for row, index in enumerate(indices):
+            seen[index].append(tokens[row].clone())
+        watch(indices, tokens, q, p, out)
+
+    engine.generate_batch([target.encode_prompt(prompt["prompt"]) for prompt in prompts], max_new_tokens,
+                          [torch.Generator().manual_seed(i) for i in range(2)], on_iteration=on_iteration)
+    return [(arena.finished(prompt), seen[i]) for i, prompt in enumerate(prompts)]
+
+
+def test_a_drafter_equal_to_the_target_has_every_token_accepted():
+    L = 3
+    arena = Arena(arena_verifiers(FULL_ACCEPTANCE, "gbv"), 2, replicas=2, seed=0)
+    checked = 0
+    for contexts, drafts in decode_with_arena(arena, 0.0, K=2, L=L):
+        for context, tokens in zip(contexts, drafts):
+            if (tokens == PAD_TOKEN).any():  # drafting stopped at an EOS or the budget: not the target's law there
+                continue
+            checked += 1
+            for name, values in context["verifiers"].items():
+                assert values["expected_accepted"] == pytest.approx(L, abs=1e-9), name
+                assert values["first_token_acceptance"] == pytest.approx(1, abs=1e-9), name
+    assert checked >= 2
+
+
+class SeenA(NaiveVerifier):
+    """nss that keeps the drafts of every call (the arena times one call per context and k)."""
+
+    name = "seen_a"
+    calls: list[torch.Tensor] = []
+
+    def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
+        self.calls.append(draft_tokens.clone())
+        return super().verify(draft_tokens, draft_probs, target_probs, generator, state)
+
+
+class SeenB(SeenA):
+    name = "seen_b"
+    calls: list[torch.Tensor] = []
+
+
+def test_every_verifier_at_a_context_sees_the_same_drafts():
+    SeenA.calls.clear()
+    SeenB.calls.clear()
+    K = 3
+    arena = Arena(arena_verifiers(["test_arena:SeenA", "test_arena:SeenB"], "gbv"), K, replicas=2, seed=0)
+    decoded = decode_with_arena(arena, 0.5, K=K, L=2)
+    assert len(SeenA.calls) == len(SeenB.calls) > 0
+    for a, b in zip(SeenA.calls, SeenB.calls):
+        assert torch.equal(a, b)
+    # per iteration one call per k = 1..K, each on the first k of the drafts the reference decoded with
+    for iteration in range(len(SeenA.calls) // K):
+        calls = SeenA.calls[iteration * K:(iteration + 1) * K]
+        for k, call in enumerate(calls, start=1):
+            assert torch.equal(call, calls[-1][:, :k])
+    for contexts, drafts in decoded:
+        for context, tokens in zip(contexts, drafts):
+            assert context["drafts"] == draft_digest(tokens)  # once per context, of the drafts every verifier saw
+            assert all("drafts" not in values for values in context["verifiers"].values())
+            assert set(context["verifiers"]) == {f"{name}@{k}" for name in ("gbv", "test_arena:SeenA",
+                                                                           "test_arena:SeenB") for k in (1, 2, 3)}
+    assert len({context["drafts"] for contexts, _ in decoded for context in contexts}) > 1
+
+
+def test_identical_drafts_remove_the_variance_of_a_comparison():
+    """bv - token per context on the same drafts (uniforms integrated out) against bv - token of two separate
+    decodes, each with its own drafts and uniforms: the same mean, a fraction of the variance."""
+    p_model, q_model, rng, n = reference.RandModel(4, 7), reference.RandModel(4, 8), np.random.default_rng(1), 400
+    shared = stack([instance(p_model, q_model, [sample_path(q_model, 3, rng)], rows=1) for _ in range(n)])
+    contexts = Arena(["token", "bv"], 1, replicas=1, seed=0).score(*shared, [str(i) for i in range(n)])
+    arena = np.array([c["verifiers"]["bv@1"]["expected_accepted"] - c["verifiers"]["token@1"]["expected_accepted"]
+                      for c in contexts])
+    generator = torch.Generator().manual_seed(0)
+    taus = {}
+    for name in ("token", "bv"):  # end to end: each verifier on drafts of its own
+        own = stack([instance(p_model, q_model, [sample_path(q_model, 3, rng)], rows=1) for _ in range(n)])
+        taus[name] = build_verifier(name)(*own, generator=generator).num_accepted.double().numpy()
+    end_to_end = taus["bv"] - taus["token"]
+    assert abs(arena.mean() - end_to_end.mean()) < 4 * np.sqrt(arena.var() / n + end_to_end.var() / n)
+    assert arena.var() < end_to_end.var() / 4
+
+
+def test_arena_knobs_are_checked_before_any_model_loads(make_cfg):
+    with pytest.raises(ConfigError) as error:
+        validate(make_cfg(*TINY, "mode=arena", "verifiers=[token,nope]"))
+    assert str(error.value).startswith("verifiers=nope: unknown verifier; choose one of")
+    with pytest.raises(ConfigError, match="replicas=0: must be >= 1"):
+        validate(make_cfg(*TINY, "mode=arena", "replicas=0"))
+    for decoder in ("ar", "spectr_gbv_paper"):
+        with pytest.raises(ConfigError, match=f"verifier={decoder}: the arena needs a lossless speculative"):
+            validate(make_cfg(*TINY, "mode=arena", f"verifier={decoder}", "num_drafts=1"))
+    with pytest.raises(ConfigError, match="verifiers=.*only with mode=arena"):
+        validate(make_cfg(*TINY, "verifiers=[token]"))
+    default = make_cfg(*TINY)  # python run.py alone: the evaluation as before
+    assert default.module._target_ == "spectr_gbv.experiment.module.SpeculativeEvaluation"
+    assert "verifiers" not in default.module and default.verifiers is None
+    assert arena_verifiers(None, "spectr_gbv") == verifier_names()  # every built-in; the alias is gbv
+
+
+def test_run_py_arena_end_to_end_resumes_after_a_kill(tmp_path):
+    from spectr_gbv.tools.report import report
+
+    job = ["mode=arena", "verifiers=[token,spectr_gbv_paper]", "num_drafts=2", "block_length=2", "replicas=2",
+           "limit=3", "max_new_tokens=6", f"hydra.run.dir={tmp_path}"]
+    process = run_py(*job, background=True)
+    predictions = tmp_path / "predictions.jsonl"
+    while process.poll() is None and not (predictions.exists() and predictions.read_text().count("\n") >= 1):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    kept = predictions.read_text()
+    assert 1 <= kept.count("\n") < 3 and not (tmp_path / "summary.json").exists()
+
+    done = run_py(*job, "logger=wandb", env={"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert predictions.read_text().startswith(kept)  # nothing recorded is lost or decoded again
+    found = records(tmp_path)
+    assert sorted(found) == [("tiny", i) for i in range(3)]
+    for record in found.values():
+        assert [c["iteration"] for c in record["arena"]] == list(range(record["target_calls"]))
+        assert set(record["arena"][0]["verifiers"]) == {"gbv@1", "gbv@2", "token@1", "spectr_gbv_paper@1",
+                                                       "spectr_gbv_paper@2"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verifiers"] == ["gbv", "token", "spectr_gbv_paper"] and summary["replicas"] == 2
+    overall = summary["arena"]["datasets"]["overall"]
+    assert overall["decode"]["iterations"] == sum(r["target_calls"] for r in found.values())
+    rows = overall["verifiers"]
+    assert rows["token@1"]["exact"] and not rows["gbv@2"]["exact"]
+    assert rows["gbv@1"]["difference"] is None and rows["token@1"]["difference"]["low"] <= \
+        rows["token@1"]["difference"]["mean"] <= rows["token@1"]["difference"]["high"]
+    contexts = [c for r in found.values() for c in r["arena"]]
+    assert rows["token@1"]["expected_accepted"] == pytest.approx(
+        np.mean([c["verifiers"]["token@1"]["expected_accepted"] for c in contexts]))
+    assert rows["gbv@2"]["alpha_star"] >= rows["gbv@1"]["alpha_star"]  # alpha* grows with k
+    [run] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert list(run.parent.glob("files/media/table/arena_*.table.json"))
+
+    markdown = report(tmp_path)
+    assert "| verifier@k | contexts | E[tau] |" in markdown and "| spectr_gbv_paper@2 ~ |" in markdown
+    assert (tmp_path / "arena_differences.png").exists()
