@@ -10,7 +10,7 @@ from omegaconf import open_dict
 from conftest import CONF, TINY
 from spectr_gbv.errors import ConfigError
 from spectr_gbv.experiment.config import validate
-from spectr_gbv.decoding.models import LoadedModel
+from spectr_gbv.decoding.models import DEFAULT_PAIR, LoadedModel
 from spectr_gbv.verifiers import CHOICES, VERIFIERS
 
 MODEL_TARGETS = {"qwen": "spectr_gbv.decoding.models.packaged", "smollm2": "spectr_gbv.decoding.models.packaged",
@@ -24,7 +24,7 @@ def options(group: str) -> list[str]:
 def test_defaults_compose_and_validate(make_cfg):
     cfg = make_cfg()
     validate(cfg)
-    assert cfg.model.name == "qwen2.5-coder-1.5b-instruct" and cfg.drafter.name == "qwen2.5-coder-0.5b-instruct"
+    assert (cfg.model.name, cfg.drafter.name) == DEFAULT_PAIR
     assert cfg.verifier.name == "gbv" and list(cfg.dataset) == ["mtbench"]
 
 

@@ -259,7 +259,7 @@ def test_command_line_prints_requirements_and_rejects_unknown_names(capsys):
 
 @pytest.fixture(scope="module")
 def qwen_pair():
-    return packaged("qwen2.5-coder-1.5b-instruct"), packaged("qwen2.5-coder-0.5b-instruct")
+    return tuple(packaged(name) for name in models.DEFAULT_PAIR)
 
 
 @pytest.mark.slow
