@@ -18,7 +18,7 @@ from spectr_gbv.decoding.costs import BareCosts, machine
 from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine, Stopped
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.experiment import records
-from spectr_gbv.experiment.metrics import COUNTERS, TIMES, aggregate, counters, scalars
+from spectr_gbv.experiment.metrics import COUNTERS, RECORD_TIMES, aggregate, counters, scalars
 
 COST_REPEATS = 5  # timed bare forwards per model and width for the speed limit (their median counts)
 UNRECORDED_MACHINE = "machine not recorded"  # of records written before records named their machine
@@ -166,4 +166,4 @@ def record_fields(out: DecodeRecord) -> dict:
     return {"output_ids": out.output_ids, "new_tokens": out.new_tokens, "target_calls": out.target_calls,
             "accepted_lengths": out.accepted_lengths, "draft_indices": out.draft_indices,
             "target_positions": out.target_positions,
-            "times": {key: getattr(out, key) for key in (*TIMES, "prefill_time")}}
+            "times": {key: getattr(out, key) for key in RECORD_TIMES}}
