@@ -96,7 +96,15 @@ def test_byte_tokenizer_round_trips_text():
 # --- tokenizer check -----------------------------------------------------------------------------------------------
 
 def test_check_same_tokenizer_accepts_a_target_and_its_drafter():
-    check_same_tokenizer(tiny(seed=0), tiny(seed=0, perturb=0.2))
+    """Another model (its logits differ) with the same tokenizer passes; the same pair with one special id moved
+    does not, so the check is not vacuous."""
+    target, drafter = tiny(seed=0), tiny(seed=0, perturb=0.2)
+    ids = prompt_ids(target, PROMPTS[0])
+    assert not torch.equal(logits(target, ids), logits(drafter, ids))
+    assert check_same_tokenizer(target, drafter) is None
+    drafter.tokenizer.pad_token = drafter.tokenizer.unk_token
+    with pytest.raises(ValueError, match=r"do not share a tokenizer: pad_token_id 0 != 2"):
+        check_same_tokenizer(target, drafter)
 
 
 def test_check_same_tokenizer_rejects_different_logit_widths_naming_both():

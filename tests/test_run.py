@@ -248,13 +248,15 @@ def test_bad_input_is_one_line(override, line, tmp_path):
     # HF_HUB_OFFLINE makes the hub refuse at once; without network it refuses after its retries (about 30 s)
     (["model=hf", "model.path=someorg/somemodel"], {"HF_HUB_OFFLINE": "1"},
      "error: path=someorg/somemodel: not a local folder or .gguf file, and the hub could not give it"),
+    (["model=hf", "model.path=gpt2"], {"HF_HUB_OFFLINE": "1"},  # a hub id without an owner: the loader's word too
+     "error: path=gpt2: not a local folder or .gguf file, and the hub could not give it"),
     (["logger=wandb", "logger.mode=online"], {},
      "error: logger.mode=online: W&B cannot start online (No API key configured."),
 ])
 def test_environment_mistakes_are_one_line(overrides, env, line, tmp_path):
     env = {**env, "HOME": str(tmp_path), "WANDB_DIR": str(tmp_path)}  # no ~/.netrc: no W&B login
     done = run_py(*overrides, f"hydra.run.dir={tmp_path / 'job'}", env=env)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(line), done.stderr[-2000:]
     assert not (tmp_path / "job" / "predictions.jsonl").exists()
 

@@ -20,7 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spectr_gbv.decoding.engine import check_settings
-from spectr_gbv.decoding.models import check_linear_layers
+from spectr_gbv.decoding.models import check_linear_layers, is_hub_id
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
 
@@ -94,16 +94,15 @@ def validate(cfg: DictConfig) -> None:
 
 
 def check_model_path(side: str, model: DictConfig) -> None:
-    """A local model path must exist; a hub id (owner/name, not a local path) is left to transformers."""
+    """A local model path must exist; a hub id is left to the loader, which says whether the hub gives it."""
     if OmegaConf.is_missing(model, "path"):
-        raise ConfigError(f"{side}.path", "???", "required: a model folder, a .gguf file or a hub id (owner/name)")
+        raise ConfigError(f"{side}.path", "???",
+                          "required: a model folder, a .gguf file or a hub id (name or owner/name)")
     path = model.get("path")
-    if path is None or Path(path).expanduser().exists():
+    if path is None or Path(path).expanduser().exists() or is_hub_id(path):
         return
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
-        raise ConfigError(f"{side}.path", path,
-                          "no such file or directory; give a model folder, a .gguf file or a hub id (owner/name)")
+    raise ConfigError(f"{side}.path", path,
+                      "no such file or directory; give a model folder, a .gguf file or a hub id (name or owner/name)")
 
 
 def error_line(error: Exception) -> Optional[str]:
