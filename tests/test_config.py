@@ -11,10 +11,10 @@ from omegaconf import open_dict
 from omegaconf.errors import ValidationError
 
 from conftest import CONF, TINY
+from spectr_gbv.decoding.models import DEFAULT_PAIR, LoadedModel, is_hub_id
 from spectr_gbv.errors import ConfigError
 from spectr_gbv.experiment.config import validate
-from spectr_gbv.decoding.models import DEFAULT_PAIR, LoadedModel, is_hub_id
-from spectr_gbv.verifiers import CHOICES, VERIFIERS
+from spectr_gbv.verifiers import CHOICES, verifier_names
 
 MODEL_TARGETS = {"qwen": "spectr_gbv.decoding.models.packaged", "smollm2": "spectr_gbv.decoding.models.packaged",
                  "hf": "spectr_gbv.decoding.models.pretrained", "tiny": "spectr_gbv.decoding.models.tiny"}
@@ -40,6 +40,16 @@ def test_model_options(make_cfg, side, option):
     if option == "tiny":  # the only model that loads in a test: built from a config, no files
         loaded = instantiate(cfg[side])()
         assert isinstance(loaded, LoadedModel) and loaded.model.device.type == "cpu"
+
+
+@pytest.mark.parametrize("option", sorted(MODEL_TARGETS))
+def test_a_drafter_option_is_its_model_option(make_cfg, option):
+    """One set of model configs: conf/drafter/<option> extends conf/model/<option>, changing only what makes it the
+    drafter (the smaller Qwen, the perturbed tiny model)."""
+    paths = ["model.path=/tmp", "drafter.path=/tmp"] if option == "hf" else []
+    cfg = make_cfg(f"model={option}", f"drafter={option}", *paths)
+    differ = {key for key in cfg.model.keys() | cfg.drafter.keys() if cfg.model.get(key) != cfg.drafter.get(key)}
+    assert differ == {"qwen": {"name"}, "tiny": {"perturb"}}.get(option, set())
 
 
 def test_every_verifier_has_a_config():
@@ -78,7 +88,7 @@ def test_trainer_options(make_cfg, option):
 def test_sweep_preset_composes(make_cfg):
     params = make_cfg("+sweep=drafts_x_block").hydra.sweeper.params
     assert params.num_drafts == "1,2,3,4" and params.block_length == "2,4,8"
-    assert all(VERIFIERS[name].max_drafts is None for name in params.verifier.split(","))
+    assert params.verifier.split(",") == verifier_names(multi_draft=True)
 
 
 def test_wandb_sweep_is_the_hydra_preset(make_cfg, capsys):

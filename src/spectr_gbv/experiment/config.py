@@ -25,6 +25,7 @@ from spectr_gbv.decoding.engine import check_settings
 from spectr_gbv.decoding.models import check_linear_layers, is_hub_id
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
+from spectr_gbv.verifiers import verifier_names
 
 
 @dataclass
@@ -84,6 +85,14 @@ def sweep_group() -> Optional[str]:
 
 
 OmegaConf.register_new_resolver("sweep_group", sweep_group, replace=True)
+
+
+def multi_draft_verifiers() -> str:
+    """${multi_draft_verifiers:} in conf/sweep/: every built-in multi-draft verifier, as a sweep's list of values."""
+    return ",".join(verifier_names(multi_draft=True))
+
+
+OmegaConf.register_new_resolver("multi_draft_verifiers", multi_draft_verifiers, replace=True)
 
 
 def validate(cfg: DictConfig) -> None:
