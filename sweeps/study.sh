@@ -11,14 +11,19 @@ RUN=${RUN:-run.py}
 OUT=${OUT:-docs/study}
 LIMIT=${LIMIT:-20}
 PAIR="model.dtype=bfloat16 drafter.dtype=bfloat16"  # the study's precision, not what dtype auto picks on this machine
-K1="token,bv,gbv"                                            # the single-draft verifiers (and gbv at K = 1)
-K3="spectr,specinfer,nss,multipath,gbv,spectr_gbv_paper,traversal"  # the multi-draft ones at K = 3
+names() { $PY -c "from spectr_gbv.verifiers import verifier_names; print(','.join(verifier_names($1)))"; }
+K1="$(names multi_draft=False),gbv"  # the registry's single-draft verifiers (token, bv), and gbv at K = 1
+K3=$(names multi_draft=True)         # the registry's multi-draft ones at K = 3, gbv first
+# The main part's K = 3 jobs in the order docs/study/main/k3 numbered its folders (a job's folder is its place in the
+# list, and a resumed job must find its own records there): the registry's multi-draft verifiers, gbv moved, traversal
+# (added later) last.
+K3_MAIN="spectr,specinfer,nss,multipath,gbv,spectr_gbv_paper,traversal"
 
 main() {  # the paper's Table 1 shape: L = 8, T = 0.4, the five datasets, 20 prompts each, 128 new tokens
   local MAIN="dataset=all limit=$LIMIT max_new_tokens=128 block_length=8 temperature=0.4 batch_size=8 logger=none"
   MAIN="$MAIN $PAIR"
   $PY $RUN -m verifier=$K1 num_drafts=1 $MAIN hydra.sweep.dir=$OUT/main/k1
-  $PY $RUN -m verifier=$K3 num_drafts=3 $MAIN hydra.sweep.dir=$OUT/main/k3
+  $PY $RUN -m verifier=$K3_MAIN num_drafts=3 $MAIN hydra.sweep.dir=$OUT/main/k3
 }
 
 ablation() {  # num_drafts x block_length for gbv and spectr, MT-Bench and HumanEval, 20 prompts each, 64 new tokens
@@ -43,8 +48,7 @@ speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = 4
   SPEED="$SPEED $PAIR"
   $PY $RUN -m verifier=$K1 num_drafts=1 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k1
   # gbv first: a pass cut short still times the project's own K = 3 rule
-  $PY $RUN -m verifier=gbv,spectr,specinfer,nss,multipath,spectr_gbv_paper,traversal num_drafts=3 $SPEED logger=none \
-    hydra.sweep.dir=$OUT/speed/k3
+  $PY $RUN -m verifier=$K3 num_drafts=3 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k3
 }
 
 audit() {  # exact audit on distributions of the real pair: 20 contexts, top-6 tokens, depth 2, K = 1, 2, 3

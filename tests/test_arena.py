@@ -11,7 +11,7 @@ import torch
 from conftest import TINY
 from spectr_gbv.decoding.cache import PAD_TOKEN
 from spectr_gbv.decoding.engine import SpeculativeEngine
-from spectr_gbv.decoding.models import tiny
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError
 from spectr_gbv.experiment.arena import Arena, arena_verifiers, draft_digest

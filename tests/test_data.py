@@ -6,6 +6,7 @@ import pytest
 from hydra.utils import instantiate
 
 from spectr_gbv.errors import ConfigError
+from spectr_gbv.experiment.config import Knobs
 from spectr_gbv.experiment.data import PromptDataModule, load_prompts
 
 SIZES = {"mtbench": 80, "humaneval": 164, "gsm8k": 1319, "xsum": 1000, "nq": 1769}
@@ -49,7 +50,7 @@ def test_template_fields_must_exist():
 def test_shards_cover_every_prompt_once(make_cfg, world_size, batch_size):
     seen = []
     for rank in range(world_size):
-        data = PromptDataModule(make_cfg("dataset=tiny").dataset, limit=5, batch_size=batch_size)
+        data = PromptDataModule(make_cfg("dataset=tiny").dataset, Knobs(limit=5, batch_size=batch_size))
         data.trainer = SimpleNamespace(world_size=world_size, global_rank=rank)
         data.setup("test")
         batches = list(data.test_dataloader())

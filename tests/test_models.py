@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from spectr_gbv.decoding import gguf_packages, precision
-from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.gguf_packages import DEFAULT_PAIR, packaged
 from spectr_gbv.decoding.linear import DynamicInt8Linear, Int8Linear, OneDNNLinear
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer, pretrained
 from spectr_gbv.decoding.precision import CPU_CLASSES, auto_precision, cpu_class, resolve_precision
@@ -91,7 +91,15 @@ def test_byte_tokenizer_round_trips_text():
 # --- tokenizer check -----------------------------------------------------------------------------------------------
 
 def test_check_same_tokenizer_accepts_a_target_and_its_drafter():
-    check_same_tokenizer(tiny(seed=0), tiny(seed=0, perturb=0.2))
+    """Another model (its logits differ) with the same tokenizer passes; the same pair with one special id moved
+    does not, so the check is not vacuous."""
+    target, drafter = tiny(seed=0), tiny(seed=0, perturb=0.2)
+    ids = prompt_ids(target, PROMPTS[0])
+    assert not torch.equal(logits(target, ids), logits(drafter, ids))
+    assert check_same_tokenizer(target, drafter) is None
+    drafter.tokenizer.pad_token = drafter.tokenizer.unk_token
+    with pytest.raises(ValueError, match=r"do not share a tokenizer: pad_token_id 0 != 2"):
+        check_same_tokenizer(target, drafter)
 
 
 def test_check_same_tokenizer_rejects_different_logit_widths_naming_both():
@@ -326,8 +334,7 @@ def test_command_line_prints_requirements_and_rejects_unknown_names(capsys):
 
 @pytest.fixture(scope="module")
 def qwen_pair():
-    return (packaged("qwen2.5-coder-1.5b-instruct", dtype="bfloat16"),
-            packaged("qwen2.5-coder-0.5b-instruct", dtype="bfloat16"))
+    return tuple(packaged(name, dtype="bfloat16") for name in DEFAULT_PAIR)
 
 
 @pytest.mark.slow

@@ -1,10 +1,11 @@
 """The report gathers every summary.json below a folder into one table (Markdown, CSV) and draws the plots."""
 import csv
+import dataclasses
 import json
 
 import pytest
 
-from spectr_gbv.experiment.metrics import COUNTERS, aggregate
+from spectr_gbv.experiment.metrics import COUNTERS, RECORD_TIMES, aggregate
 from spectr_gbv.tools.report import main, refresh_page
 
 BLOCK_LENGTHS = (2, 4)
@@ -27,6 +28,12 @@ def write_summary(folder, verifier, num_drafts, block_length, baseline=True, dat
                "max_new_tokens": 16, "model": "tiny", "drafter": "tiny'", "machine": "a CPU, 2 torch threads",
                "metrics": {**{name: metrics for name in datasets}, "overall": metrics}}
     (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_records_times_are_the_engines():
+    from spectr_gbv.decoding.engine import DecodeRecord
+
+    assert {f.name for f in dataclasses.fields(DecodeRecord) if f.name.endswith("_time")} == set(RECORD_TIMES)
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ import torch
 from torch import Tensor
 
 from spectr_gbv.decoding.cache import COMMITTED, HIDDEN
+from spectr_gbv.verifiers.base import same_prefix
 
 
 def representatives(tokens: Tensor, block_length: int) -> Tensor:
     """first [B, K, L] for drafts tokens [B, K, n], n <= L; depths not drafted yet name themselves."""
     B, K, n = tokens.shape
-    same_prefix = (tokens[:, :, None, :] == tokens[:, None, :, :]).long().cumprod(-1).bool()  # [B, K, K, n]
-    first = same_prefix.long().argmax(2)  # lowest j sharing draft k's first d + 1 tokens (j = k always does)
+    first = same_prefix(tokens).long().argmax(2)  # lowest j sharing draft k's first d + 1 tokens (j = k always does)
     undrafted = torch.arange(K, device=tokens.device)[None, :, None].expand(B, K, block_length - n)
     return torch.cat([first, undrafted], -1)
 

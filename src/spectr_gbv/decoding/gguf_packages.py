@@ -46,7 +46,9 @@ PACKAGED = {
                        for i in range(1, 5)),
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
-DEFAULT_PREPARE = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+# (target, drafter): the project's real pair, as conf/model/qwen.yaml and conf/drafter/qwen.yaml name it; the audit,
+# the engine bench and `prepare` without names use it
+DEFAULT_PAIR = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 
 
 def packaged(name: str, dtype: str = "auto", device: str = "cpu", quantize: str | None = None,
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"packaged models (default: the Qwen pair); any of {', '.join(PACKAGED)}")
     args = parser.parse_args(argv)
-    names = args.names or DEFAULT_PREPARE
+    names = args.names or DEFAULT_PAIR
     for name in names:
         if name not in PACKAGED:
             parser.error(f"NAME={name!r} is not a packaged model; use any of {', '.join(PACKAGED)}")

@@ -50,6 +50,12 @@ def settled_precision(dtype: str, linear_kernel: str | None, quantize: str | Non
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2" or "org/name"
 
 
+def is_hub_id(path: str) -> bool:
+    """Whether pretrained() asks the hub for a path that is no local file or folder; the run's config check asks the
+    same, so that what it lets through is what the loader takes."""
+    return HUB_ID.match(path) is not None
+
+
 def pretrained(path: str, dtype: str = "auto", device: str = "cpu", gguf_file: str | None = None,
                quantize: str | None = None, linear_kernel: str | None = None) -> LoadedModel:
     """Load a local folder (optionally with gguf_file inside it), a path to a .gguf file, or a hub id; quantize="int8"
@@ -64,7 +70,7 @@ def pretrained(path: str, dtype: str = "auto", device: str = "cpu", gguf_file: s
         if gguf_file is not None and not (local / gguf_file).is_file():
             raise FileNotFoundError(f"gguf_file={gguf_file!r} does not exist in model folder {str(local)!r}")
         source = str(local)
-    elif HUB_ID.match(path):
+    elif is_hub_id(path):
         source = path  # a hub id: transformers downloads it, which needs network
     else:
         raise FileNotFoundError(f"model path {path!r} does not exist (give a folder, a .gguf file or a hub id)")

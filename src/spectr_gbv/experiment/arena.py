@@ -137,13 +137,16 @@ class ArenaEvaluation(SpeculativeEvaluation):
     """The evaluation's decode of the reference verifier, with the arena watching every iteration: each prompt's
     record gains `arena`, its contexts; summary.json gains `arena`, the comparison (summarise())."""
 
-    def __init__(self, verifiers: list[str] | None, replicas: int, **knobs):
+    def __init__(self, verifiers: list[str] | None, replicas: int, **evaluation):
         # Resolved before save_hyperparameters reads this frame: job.json names the verifiers actually scored, so a
         # folder is not resumed with another list (e.g. after a verifier was added to the registry).
-        verifiers = arena_verifiers(verifiers, knobs["verifier"])
+        verifiers = arena_verifiers(verifiers, evaluation["verifier"])
         check_replicas(replicas)
-        super().__init__(**knobs)
-        self.arena = Arena(verifiers, knobs["num_drafts"], replicas, knobs["seed"])
+        super().__init__(**evaluation)
+        self.arena = Arena(verifiers, self.knobs.num_drafts, replicas, self.knobs.seed)
+
+    def job(self, datamodule) -> dict:
+        return {**super().job(datamodule), "verifiers": self.hparams.verifiers, "replicas": self.hparams.replicas}
 
     def setup(self, stage: str) -> None:
         super().setup(stage)

@@ -1,7 +1,8 @@
-"""The run configuration: its schema (types, checked by Hydra while composing), its range checks (one function,
-run before anything loads) and the one-line messages a user sees for a bad input.
+"""The run configuration: its knobs and schema (types, checked by Hydra while composing), its range checks (one
+function, run before anything loads) and the one-line messages a user sees for a bad input.
 
-conf/config.yaml holds the values; `Config` below only says what type each top-level knob has.
+Each knob is declared once, in `Knobs` below: its type, its default and what it means. conf/config.yaml holds the
+config groups' choices and hands the knobs to the module and the data module as one node, ${knobs:}.
 """
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,11 +22,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from spectr_gbv.decoding.engine import check_settings
 from spectr_gbv.decoding.linear import check_linear_layers
+from spectr_gbv.decoding.models import is_hub_id
 from spectr_gbv.decoding.precision import resolve_precision
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
 from spectr_gbv.experiment.arena import arena_verifiers, check_replicas
-from spectr_gbv.verifiers import verifier_class
+from spectr_gbv.verifiers import verifier_class, verifier_names
 
 
 @dataclass
@@ -37,7 +39,24 @@ class VerifierConfig:
 
 
 @dataclass
-class Config:
+class Knobs:
+    """The knobs of a job (python run.py num_drafts=4 ...): the top level of the run config, and what the module and
+    the data module get (job.json records them). A new knob is a field here."""
+    num_drafts: int = 3  # K i.i.d. drafts per iteration
+    block_length: int = 4  # L tokens per draft
+    temperature: float = 1.0  # 0 = greedy
+    draft_temperature: Optional[float] = None  # None = temperature; give one > 0 for K > 1 at temperature 0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_new_tokens: int = 128
+    seed: int = 0
+    baseline: bool = False  # also decode every prompt with `ar` and report the speedup over it
+    limit: Optional[int] = 10  # first N prompts of each dataset; None = all
+    batch_size: int = 1  # prompts decoded together per rank; a prompt's tokens do not depend on it
+
+
+@dataclass
+class Config(Knobs):
     # groups: free-form nodes instantiated with hydra.utils.instantiate (their `_target_` defines their keys)
     model: Any = MISSING
     drafter: Any = MISSING
@@ -45,30 +64,27 @@ class Config:
     dataset: dict[str, Any] = MISSING  # dataset name -> loader node
     logger: Any = MISSING  # a Lightning logger node, or None
     trainer: Any = MISSING
-    # knobs
-    num_drafts: int = MISSING
-    block_length: int = MISSING
-    temperature: float = MISSING
-    draft_temperature: Optional[float] = MISSING  # None: same as temperature
-    top_k: int = MISSING
-    top_p: float = MISSING
-    max_new_tokens: int = MISSING
-    batch_size: int = MISSING  # prompts decoded together (outputs do not depend on it)
-    limit: Optional[int] = MISSING  # prompts per dataset, None: all
-    seed: int = MISSING
-    baseline: bool = MISSING  # also decode every prompt with `ar` and report the speedup
     output_dir: str = MISSING
     # set by validate(): each model's dtype, linear kernel and why (dtype auto: this machine's choice)
     precision: Any = None
     # mode=arena only (conf/mode/arena.yaml): the verifiers scored on the reference's drafts, replicas per context
     verifiers: Optional[list[str]] = None
     replicas: Optional[int] = None
-    # built from the knobs above in conf/config.yaml
+    # the Lightning module and data module, built from the groups and the knobs in conf/config.yaml
     module: Any = MISSING
     data: Any = MISSING
 
 
 ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def knobs(_root_: DictConfig) -> Knobs:
+    """${knobs:} in conf/config.yaml: the top level's knobs as one Knobs (a structured node, which instantiate's
+    `_convert_: object` hands over as the dataclass)."""
+    return Knobs(**{field.name: _root_[field.name] for field in dataclasses.fields(Knobs)})
+
+
+OmegaConf.register_new_resolver("knobs", knobs, replace=True)
 
 
 def sweep_group() -> Optional[str]:
@@ -79,6 +95,14 @@ def sweep_group() -> Optional[str]:
 
 
 OmegaConf.register_new_resolver("sweep_group", sweep_group, replace=True)
+
+
+def multi_draft_verifiers() -> str:
+    """${multi_draft_verifiers:} in conf/sweep/: every built-in multi-draft verifier, as a sweep's list of values."""
+    return ",".join(verifier_names(multi_draft=True))
+
+
+OmegaConf.register_new_resolver("multi_draft_verifiers", multi_draft_verifiers, replace=True)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -142,16 +166,15 @@ def validate_mode(cfg: DictConfig) -> None:
 
 
 def check_model_path(side: str, model: DictConfig) -> None:
-    """A local model path must exist; a hub id (owner/name, not a local path) is left to transformers."""
+    """A local model path must exist; a hub id is left to the loader, which says whether the hub gives it."""
     if OmegaConf.is_missing(model, "path"):
-        raise ConfigError(f"{side}.path", "???", "required: a model folder, a .gguf file or a hub id (owner/name)")
+        raise ConfigError(f"{side}.path", "???",
+                          "required: a model folder, a .gguf file or a hub id (name or owner/name)")
     path = model.get("path")
-    if path is None or Path(path).expanduser().exists():
+    if path is None or Path(path).expanduser().exists() or is_hub_id(path):
         return
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
-        raise ConfigError(f"{side}.path", path,
-                          "no such file or directory; give a model folder, a .gguf file or a hub id (owner/name)")
+    raise ConfigError(f"{side}.path", path,
+                      "no such file or directory; give a model folder, a .gguf file or a hub id (name or owner/name)")
 
 
 def error_line(error: Exception) -> Optional[str]:

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from spectr_gbv.decoding.gguf_packages import package_folder
 from spectr_gbv.errors import ConfigError
+from spectr_gbv.experiment.config import Knobs
 
 
 def load_prompts(name: str, template: str, texts: list[str] | None = None, package: str | None = None,
@@ -59,12 +60,13 @@ class PromptDataModule(LightningDataModule):
     (the one its predict loop uses), so each prompt is decoded exactly once and ranks differ by at most one step.
     """
 
-    def __init__(self, datasets: Mapping, limit: int | None, batch_size: int = 1):
-        """datasets: name -> a node that instantiates to its prompts (conf/dataset/)."""
+    def __init__(self, datasets: Mapping, knobs: Knobs):
+        """datasets: name -> a node that instantiates to its prompts (conf/dataset/); of the knobs, limit and
+        batch_size."""
         super().__init__()
-        self.save_hyperparameters(logger=False)  # part of the job's knobs (SpeculativeEvaluation.job)
+        self.save_hyperparameters(logger=False)  # the datasets are part of the job (SpeculativeEvaluation.job)
         self.dataset_configs = datasets
-        self.limit, self.batch_size = limit, batch_size
+        self.limit, self.batch_size = knobs.limit, knobs.batch_size
         self.names = list(datasets)
         self.records: list[dict] = []
 

@@ -5,9 +5,13 @@ import math
 
 import numpy as np
 
+# The time fields of decoding.engine.DecodeRecord, a record's "times": the parts of the iterations after the first,
+# the total, and the first iteration's own. TIMES are summed per dataset; the prefill's time stays in the records.
+TIME_PARTS = ("draft_time", "target_time", "verify_time")
+TIMES = (*TIME_PARTS, "total_time")
+RECORD_TIMES = (*TIMES, "prefill_time")
 COUNTERS = ("prompts", "new_tokens", "target_calls", "new_tokens_sq", "target_calls_sq", "new_x_calls",
-            "target_positions", "draft_time", "target_time", "verify_time", "total_time", "ar_new_tokens", "ar_time")
-TIMES = ("draft_time", "target_time", "verify_time", "total_time")
+            "target_positions", *TIMES, "ar_new_tokens", "ar_time")
 
 
 def counters(record: dict) -> list[float]:

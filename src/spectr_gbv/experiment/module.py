@@ -2,9 +2,10 @@
 prompt's record as it finishes (records.py), counts it, and at the end reduces the counts over ranks into the
 aggregates (metrics.py), summary.json and the loggers.
 
-Built from the `module` node of conf/config.yaml; its arguments are the job's knobs, saved as hyperparameters, so
+Built from the `module` node of conf/config.yaml; its arguments are the job's settings, saved as hyperparameters, so
 job.json and summary.json hold exactly what the module was given.
 """
+import dataclasses
 import os
 import zlib
 from pathlib import Path
@@ -19,43 +20,43 @@ from spectr_gbv.decoding.engine import DecodeRecord, IterationHook, SpeculativeE
 from spectr_gbv.decoding.precision import machine
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.experiment import records
-from spectr_gbv.experiment.metrics import COUNTERS, TIMES, aggregate, counters, scalars
+from spectr_gbv.experiment.config import Knobs
+from spectr_gbv.experiment.metrics import COUNTERS, RECORD_TIMES, aggregate, counters, scalars
 
 COST_REPEATS = 5  # timed bare forwards per model and width for the speed limit (their median counts)
 UNRECORDED_MACHINE = "machine not recorded"  # of records written before records named their machine
 
 
 class SpeculativeEvaluation(LightningModule):
-    def __init__(self, verifier: str, num_drafts: int, block_length: int, temperature: float,
-                 draft_temperature: float | None, top_k: int, top_p: float, max_new_tokens: int, seed: int,
-                 baseline: bool, model_config: dict, drafter_config: dict, output_dir: str,
+    def __init__(self, verifier: str, knobs: Knobs, model_config: dict, drafter_config: dict, output_dir: str,
                  precision: dict | None):
         """model_config, drafter_config: nodes that instantiate to a loader of a LoadedModel (conf/model/); precision:
         each model's dtype, linear kernel and why (config.settle_precision), for summary.json."""
         super().__init__()
         self.save_hyperparameters(logger=False)  # run.py logs the whole config instead
-        self.sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
-                                 draft_temperature=draft_temperature)
-        self.output_dir = Path(output_dir)
+        self.knobs = knobs
+        self.sampling = Sampling(temperature=knobs.temperature, top_k=knobs.top_k, top_p=knobs.top_p,
+                                 draft_temperature=knobs.draft_temperature)
+        self.output_dir = Path(output_dir)  # where, not what: not part of the job
         self.summary: dict = {}
 
     def job(self, datamodule: LightningDataModule) -> dict:
-        """The knobs that make this job's records what they are (job.json, the head of summary.json)."""
-        knobs = {**self.hparams, **datamodule.hparams}
-        del knobs["output_dir"], knobs["precision"]  # where and why, not what (the dtypes are in the model configs)
-        return knobs
+        """The settings that make this job's records what they are (job.json, the head of summary.json)."""
+        hp = self.hparams
+        return {"verifier": hp.verifier, **dataclasses.asdict(self.knobs), "model_config": hp.model_config,
+                "drafter_config": hp.drafter_config, "datasets": datamodule.hparams.datasets}
 
     # ---- setup: models, engines, what earlier attempts already recorded -------------------------------------
     def setup(self, stage: str) -> None:
-        hp = self.hparams
+        hp, knobs = self.hparams, self.knobs
         self.target = instantiate(hp.model_config)()
         drafter = None
         if hp.verifier != "ar":  # plain decoding needs no drafter: do not load one
             drafter = instantiate(hp.drafter_config)()  # the engine refuses one with another tokenizer
         self.drafter = drafter
-        self.engine = SpeculativeEngine(self.target, drafter, hp.verifier, hp.num_drafts, hp.block_length,
+        self.engine = SpeculativeEngine(self.target, drafter, hp.verifier, knobs.num_drafts, knobs.block_length,
                                         self.sampling)
-        self.ar_engine = SpeculativeEngine(self.target, None, "ar", sampling=self.sampling) if hp.baseline else None
+        self.ar_engine = SpeculativeEngine(self.target, None, "ar", sampling=self.sampling) if knobs.baseline else None
         self.machine = machine(str(self.target.model.dtype).removeprefix("torch."))  # where this run's times are
         self.recorded = records.read_records(self.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -64,7 +65,7 @@ class SpeculativeEvaluation(LightningModule):
     def on_test_epoch_start(self) -> None:
         self.names = self.trainer.datamodule.names
         self.counts = torch.zeros(len(self.names), len(COUNTERS), dtype=torch.float64, device=self.device)
-        self.histogram = torch.zeros(len(self.names), self.hparams.block_length + 1, dtype=torch.float64,
+        self.histogram = torch.zeros(len(self.names), self.knobs.block_length + 1, dtype=torch.float64,
                                      device=self.device)
 
     # ---- the loop: decode the batch's prompts not recorded yet together, record each as it ends, count all -----
@@ -81,7 +82,7 @@ class SpeculativeEvaluation(LightningModule):
     def decode(self, prompts: list[dict]) -> None:
         """Decode the prompts as one batch; each record is appended to the predictions file as its prompt ends."""
         prompt_ids = [self.target.encode_prompt(prompt["prompt"]) for prompt in prompts]
-        max_new_tokens = self.hparams.max_new_tokens
+        max_new_tokens = self.knobs.max_new_tokens
         baseline = None
         if self.ar_engine is not None:  # same prompts, same seeds, same batch: the speedup compares like with like
             baseline = self.ar_engine.generate_batch(prompt_ids, max_new_tokens, self.generators(prompts),
@@ -116,7 +117,7 @@ class SpeculativeEvaluation(LightningModule):
     def generators(self, prompts: list[dict]) -> list[torch.Generator]:
         """One generator per prompt, seeded by (seed, dataset, prompt id): outputs depend neither on how prompts
         are sharded over ranks nor on which prompts share a batch."""
-        keys = [f"{self.hparams.seed}/{prompt['dataset']}/{prompt['prompt_id']}".encode() for prompt in prompts]
+        keys = [f"{self.knobs.seed}/{prompt['dataset']}/{prompt['prompt_id']}".encode() for prompt in prompts]
         return [torch.Generator(device=self.target.model.device).manual_seed(zlib.crc32(key)) for key in keys]
 
     def count(self, record: dict) -> None:
@@ -133,7 +134,7 @@ class SpeculativeEvaluation(LightningModule):
         metrics = {name: aggregate(counts[i], histogram[i]) for i, name in enumerate(self.names)}
         metrics["overall"] = aggregate([sum(column) for column in zip(*counts)],
                                        [sum(column) for column in zip(*histogram)])
-        if self.hparams.baseline and self.drafter is not None:
+        if self.knobs.baseline and self.drafter is not None:
             self.add_speed_limits(metrics)
         self.summary = {**self.job(self.trainer.datamodule), "model": self.target.name,
                         "drafter": self.drafter.name if self.drafter else None,
@@ -164,8 +165,8 @@ class SpeculativeEvaluation(LightningModule):
         if self.trainer.is_global_zero:
             context = self.target.encode_prompt(self.trainer.datamodule.records[0]["prompt"])
             costs = BareCosts(self.target, self.drafter, context, COST_REPEATS)
-            limits = {name: costs.limit(m["block_efficiency"], round(m["trie_positions"]), self.hparams.num_drafts,
-                                        self.hparams.block_length) for name, m in metrics.items()}
+            limits = {name: costs.limit(m["block_efficiency"], round(m["trie_positions"]), self.knobs.num_drafts,
+                                        self.knobs.block_length) for name, m in metrics.items()}
         for name, limit in self.trainer.strategy.broadcast(limits, src=0).items():
             metrics[name].update(speed_limit=limit, speed_limit_share=metrics[name]["speedup"] / limit)
 
@@ -178,4 +179,4 @@ def record_fields(out: DecodeRecord) -> dict:
     return {"output_ids": out.output_ids, "new_tokens": out.new_tokens, "target_calls": out.target_calls,
             "accepted_lengths": out.accepted_lengths, "draft_indices": out.draft_indices,
             "target_positions": out.target_positions,
-            "times": {key: getattr(out, key) for key in (*TIMES, "prefill_time")}}
+            "times": {key: getattr(out, key) for key in RECORD_TIMES}}

@@ -7,8 +7,8 @@ continues with its target modification), and the paper's claimed optimum C_L(K).
 enumeration in verifiers/reference.py.
 
 `--real [--json PATH]` audits every verifier at K = 1, 2, 3 (single-draft rules at K=1 only) on instances built from
-the real pair (target qwen2.5-coder-1.5b-instruct, drafter qwen2.5-coder-0.5b-instruct, bfloat16 forward, laws in
-float64 from the logits at temperature 1). Contexts: the first 4 prompts of each of the five datasets
+the real pair (DEFAULT_PAIR of decoding/gguf_packages.py: the Qwen2.5-Coder 1.5B target and 0.5B drafter, bfloat16
+forward, laws in float64 from the logits at temperature 1). Contexts: the first 4 prompts of each of the five datasets
 (conf/dataset/*.yaml), each through the target's chat template and then 8 of the target's greedy tokens, so that the
 tree starts inside an answer. At each context a tree of depth L=2: the support after every prefix is the target's
 top m=6 tokens there, and p and q are both renormalised over it, so an instance is a pair of context-dependent laws
@@ -42,7 +42,7 @@ from rich.table import Table
 from rich.text import Text
 
 from spectr_gbv.decoding.engine import eos_ids
-from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.gguf_packages import DEFAULT_PAIR, packaged
 from spectr_gbv.decoding.models import LoadedModel, check_same_tokenizer
 from spectr_gbv.decoding.sampling import warp
 from spectr_gbv.decoding.tiny import tiny
@@ -109,8 +109,7 @@ def instance_table(title, p, q, L, K):
 DATASET_CONF = Path(__file__).resolve().parents[3] / "conf" / "dataset"
 DATASETS = tuple(OmegaConf.load(DATASET_CONF / "all.yaml").defaults)  # the five, as dataset=all lists them
 PAIRS = {  # --models: the real pair, or tiny random models for the tests (hidden flag)
-    "qwen": lambda: (packaged("qwen2.5-coder-1.5b-instruct", dtype="bfloat16"),  # the study's, on every machine
-                     packaged("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")),
+    "qwen": lambda: tuple(packaged(name, dtype="bfloat16") for name in DEFAULT_PAIR),  # the study's, on every machine
     "tiny": lambda: (tiny(seed=0), tiny(seed=0, perturb=0.5)),
 }
 SUPPORT, DEPTH, PROMPTS, GREEDY_TOKENS, DRAFTS = 6, 2, 4, 8, (1, 2, 3)

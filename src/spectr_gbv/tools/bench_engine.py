@@ -29,7 +29,7 @@ from transformers import GenerationConfig
 
 from spectr_gbv.decoding.costs import BareCosts
 from spectr_gbv.decoding.engine import DecodeRecord, SpeculativeEngine
-from spectr_gbv.decoding.gguf_packages import packaged
+from spectr_gbv.decoding.gguf_packages import DEFAULT_PAIR, packaged
 from spectr_gbv.decoding.linear import LINEAR_KERNELS, QUANTIZE, check_linear_layers
 from spectr_gbv.decoding.models import LoadedModel
 from spectr_gbv.decoding.precision import DTYPES, machine
@@ -112,8 +112,8 @@ def load_pair(use_tiny: bool, target_settings: dict, drafter_settings: dict) -> 
     """The pair, each model loaded with its settings (dtype, quantize, linear_kernel)."""
     if use_tiny:
         return tiny(seed=0, **target_settings), tiny(seed=0, perturb=0.2, **drafter_settings)
-    return (packaged("qwen2.5-coder-1.5b-instruct", **target_settings),
-            packaged("qwen2.5-coder-0.5b-instruct", **drafter_settings))
+    target, drafter = DEFAULT_PAIR
+    return packaged(target, **target_settings), packaged(drafter, **drafter_settings)
 
 
 def pair_settings(args: argparse.Namespace) -> tuple[dict, dict]:

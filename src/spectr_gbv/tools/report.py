@@ -26,15 +26,14 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from spectr_gbv.experiment.metrics import paired_difference  # noqa: E402
+from spectr_gbv.experiment.metrics import TIME_PARTS, TIMES, paired_difference  # noqa: E402
 from spectr_gbv.experiment.records import read_records  # noqa: E402
 
 COLUMNS = ("job", "dataset", "verifier", "num_drafts", "block_length", "temperature", "prompts", "new_tokens",
            "block_efficiency", "block_efficiency_se", "mean_accepted_length", "tokens_per_s", "speedup",
            "max_new_tokens", "model", "drafter")
 # A job's speed against its cost-model limit (baseline=true), in the speed table only.
-SPEED = ("machine", "ar_tokens_per_s", "trie_positions", "speed_limit", "speed_limit_share", "draft_time",
-         "target_time", "verify_time", "total_time")
+SPEED = ("machine", "ar_tokens_per_s", "trie_positions", "speed_limit", "speed_limit_share", *TIMES)
 KNOBS_IN_LABEL = ("temperature", "model", "max_new_tokens")  # added to a line's label when they vary
 # The paper's orderings, and gbv against traversal (the other sequence-level multi-draft rule), as (method, method it
 # should beat): the paired table gives each difference first - second.
@@ -104,12 +103,12 @@ def speed_table(rows: list[dict]) -> tuple[str, list[dict]]:
     if not jobs:
         return "", []
     header = ["method", "prompts", "tokens/s", "ar tokens/s", "speedup", "block eff.", "trie positions", "limit",
-              "share", "draft %", "target %", "verify %"]
+              "share", *[f"{key.removesuffix('_time')} %" for key in TIME_PARTS]]
     machines = ", and ".join(dict.fromkeys(str(row["machine"]) for row in jobs))
     lines = [f"Measured on {machines}:", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     varying = varying_knobs(jobs)
     for row in jobs:
-        split = [f"{100 * row[key] / row['total_time']:.0f}" for key in ("draft_time", "target_time", "verify_time")]
+        split = [f"{100 * row[key] / row['total_time']:.0f}" for key in TIME_PARTS]
         lines.append("| " + " | ".join([method_label(row, varying), str(row["prompts"]), f"{row['tokens_per_s']:.2f}",
                                         f"{row['ar_tokens_per_s']:.2f}", f"{row['speedup']:.2f}x",
                                         f"{row['block_efficiency']:.2f}", f"{row['trie_positions']:.1f}",

@@ -4,20 +4,23 @@
     wandb sweep outputs/sweep.yaml             # prints the sweep id
     wandb agent <entity>/spectr-gbv/<id>       # on as many machines as you like
 
-The grid is read from conf/sweep/<name>.yaml (its hydra.sweeper.params), so the two kinds of sweep cannot drift
-apart. Each W&B run is `python run.py <knob>=<value>... logger=wandb logger.mode=online [extra overrides]`.
+The grid is read from conf/sweep/<name>.yaml (its hydra.sweeper.params, resolved as Hydra resolves them), so the two
+kinds of sweep cannot drift apart. Each W&B run is
+`python run.py <knob>=<value>... logger=wandb logger.mode=online [extra overrides]`.
 """
 import argparse
 from pathlib import Path
 
 import yaml
+from omegaconf import OmegaConf
+
+import spectr_gbv.experiment.config  # noqa: F401  (registers the resolvers the presets use)
 
 SWEEPS = Path(__file__).resolve().parents[3] / "conf" / "sweep"
 
 
 def wandb_sweep(name: str, extra: list[str]) -> dict:
-    preset = yaml.safe_load((SWEEPS / f"{name}.yaml").read_text())
-    grid = preset["hydra"]["sweeper"]["params"]
+    grid = OmegaConf.to_container(OmegaConf.load(SWEEPS / f"{name}.yaml").hydra.sweeper.params, resolve=True)
     return {
         "program": "run.py", "project": "spectr-gbv", "method": "grid",
         "metric": {"name": "overall/block_efficiency", "goal": "maximize"},

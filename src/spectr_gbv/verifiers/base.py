@@ -166,6 +166,12 @@ def token_probs(probs: Tensor, tokens: Tensor) -> Tensor:
     return probs[..., : tokens.shape[-1], :].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def same_prefix(tokens: Tensor) -> Tensor:
+    """[B, K, K, L] bool for drafts tokens [B, K, L]: [b, k, j, i] says drafts k and j agree on their first i + 1
+    tokens, i.e. share the trie's node at depth i. Summed over i: their common prefix lengths."""
+    return (tokens[:, :, None] == tokens[:, None]).long().cumprod(-1).bool()
+
+
 def last_success(h: Tensor, u: Tensor) -> Tensor:
     """The accepted count max{i >= 1 : u_i < h_i} (strict, see above), 0 if none; h, u [B, L] hold positions 1..L."""
     positions = torch.arange(1, h.shape[-1] + 1, device=h.device)

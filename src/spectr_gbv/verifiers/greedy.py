@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .base import Verifier, VerifierOutput, last_success, last_success_law, pick, sample, token_probs, uniforms
+from .base import (Verifier, VerifierOutput, last_success, last_success_law, pick, same_prefix, sample, token_probs,
+                   uniforms)
 
 MAX_LOG_RATIO = 80.0  # exp(80) is finite in float32; larger ratios only occur on zero-mass nodes
 ALL_ROWS = slice(None)  # the index for every row: what it selects is a view, not a copy
@@ -215,7 +216,7 @@ class GreedyBlockVerifier(Verifier):
         tokens, q, p = draft_tokens, draft_probs, target_probs  # §4's letters, so the level algebra reads as there
         B, K, L = tokens.shape
         log_s = torch.cat([torch.zeros_like(q[:, :, :1, 0]), token_probs(q, tokens).log().cumsum(-1)], -1)
-        common = (tokens[:, :, None] == tokens[:, None]).long().cumprod(-1).sum(-1)  # [B, K, K] common prefix lengths
+        common = same_prefix(tokens).sum(-1)  # [B, K, K] common prefix lengths
         levels = pending_to_levels(state, tokens)
         u = uniforms((B, K, L), q, generator)
         scratch = Scratch(q, B * L * q.shape[-1])

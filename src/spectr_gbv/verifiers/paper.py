@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Verifier, VerifierOutput, normalise, pick, sample, token_probs, uniforms
+from .base import Verifier, VerifierOutput, normalise, pick, same_prefix, sample, token_probs, uniforms
 
 DENOMINATOR_GUARD = 1e-20  # as in the published code
 MAX_RATIO = 1e30  # S/B beyond this already makes every a = 1; keeps the ratio finite in float32
@@ -46,8 +46,7 @@ class PaperSpecTrGBVVerifier(Verifier):
         h_sub = ((gain[:, :, 1:L] - children) / (sigma[:, :, 1:L] - children + DENOMINATOR_GUARD)).clamp(0, 1)
         h_full = (gain[:, :, L] / (sigma[:, :, L] + DENOMINATOR_GUARD)).clamp(0, 1)
 
-        # agree[b, k, j, i]: drafts k and j agree on their first i + 1 tokens
-        agree = (tokens[:, :, None, :] == tokens[:, None, :, :]).long().cumprod(-1).bool()
+        agree = same_prefix(tokens)  # [b, k, j, i]: drafts k and j agree on their first i + 1 tokens
         u_sub, u_full = uniforms((B, K, L), q, generator), uniforms((B, K), q, generator)
         accepted = torch.zeros(B, dtype=torch.long, device=q.device)
         draft_index, done = torch.zeros_like(accepted), torch.zeros(B, dtype=torch.bool, device=q.device)
