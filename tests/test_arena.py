@@ -14,7 +14,8 @@ from spectr_gbv.decoding.engine import SpeculativeEngine
 from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError
-from spectr_gbv.experiment.arena import Arena, arena_verifiers, draft_digest
+from spectr_gbv.experiment.arena import Arena, draft_digest
+from spectr_gbv.experiment.config import arena_verifiers
 from spectr_gbv.experiment.config import validate
 from spectr_gbv.verifiers import VERIFIERS, build_verifier, reference, verifier_names
 from spectr_gbv.verifiers.tree import NaiveVerifier

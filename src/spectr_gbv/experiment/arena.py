@@ -24,35 +24,14 @@ from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor
 
 from spectr_gbv.decoding.engine import IterationHook
-from spectr_gbv.errors import ConfigError
 from spectr_gbv.experiment import records
+from spectr_gbv.experiment.config import arena_verifiers, check_replicas
 from spectr_gbv.experiment.metrics import paired_difference
 from spectr_gbv.experiment.module import SpeculativeEvaluation
-from spectr_gbv.verifiers import ALIASES, build_verifier, optimal_acceptance, verifier_class, verifier_names
+from spectr_gbv.verifiers import build_verifier, optimal_acceptance, verifier_class
 
 TABLE = ("verifier", "contexts", "expected_accepted", "expected_accepted_se", "difference", "difference_low",
          "difference_high", "first_token_acceptance", "alpha_star", "ms_per_call")
-
-
-def arena_verifiers(specs: list[str] | None, reference: str) -> list[str]:
-    """The verifiers an arena scores, checked (a bad entry is one line naming `verifiers`): every built-in one for
-    None, the reference first when the list lacks it (the paired differences are against it), no repeats. The
-    reference must be lossless: its contexts then follow the target's law."""
-    if reference == "ar" or not verifier_class(reference).lossless:
-        raise ConfigError("verifier", reference, "the arena needs a lossless speculative reference decode; choose "
-                          f"one of {', '.join(verifier_names(lossless=True))}")
-    names = verifier_names() if specs is None else list(specs)
-    for spec in names:
-        verifier_class(spec, key="verifiers")
-    names = [ALIASES.get(spec, spec) for spec in names]
-    reference = ALIASES.get(reference, reference)
-    return list(dict.fromkeys([reference, *names] if reference not in names else names))
-
-
-def check_replicas(replicas) -> None:
-    if not (isinstance(replicas, int) and replicas >= 1):
-        raise ConfigError("replicas", replicas, "must be >= 1: calls averaged per context where a verifier has no "
-                          "closed-form accepted_law()")
 
 
 def draft_digest(tokens: Tensor) -> str:

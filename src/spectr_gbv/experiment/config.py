@@ -26,8 +26,7 @@ from spectr_gbv.decoding.models import is_hub_id
 from spectr_gbv.decoding.precision import resolve_precision
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError, ModelUnavailable
-from spectr_gbv.experiment.arena import arena_verifiers, check_replicas
-from spectr_gbv.verifiers import verifier_class, verifier_names
+from spectr_gbv.verifiers import ALIASES, verifier_class, verifier_names
 
 
 @dataclass
@@ -163,6 +162,27 @@ def validate_mode(cfg: DictConfig) -> None:
     for key in ("verifiers", "replicas"):
         if cfg[key] is not None:
             raise ConfigError(key, cfg[key], "only with mode=arena, the verifier arena")
+
+
+def arena_verifiers(specs: list[str] | None, reference: str) -> list[str]:
+    """The verifiers an arena scores, checked (a bad entry is one line naming `verifiers`): every built-in one for
+    None, the reference first when the list lacks it (the paired differences are against it), no repeats. The
+    reference must be lossless: its contexts then follow the target's law."""
+    if reference == "ar" or not verifier_class(reference).lossless:
+        raise ConfigError("verifier", reference, "the arena needs a lossless speculative reference decode; choose "
+                          f"one of {', '.join(verifier_names(lossless=True))}")
+    names = verifier_names() if specs is None else list(specs)
+    for spec in names:
+        verifier_class(spec, key="verifiers")
+    names = [ALIASES.get(spec, spec) for spec in names]
+    reference = ALIASES.get(reference, reference)
+    return list(dict.fromkeys([reference, *names] if reference not in names else names))
+
+
+def check_replicas(replicas) -> None:
+    if not (isinstance(replicas, int) and replicas >= 1):
+        raise ConfigError("replicas", replicas, "must be >= 1: calls averaged per context where a verifier has no "
+                          "closed-form accepted_law()")
 
 
 def check_model_path(side: str, model: DictConfig) -> None:
