@@ -4,6 +4,7 @@ function, run before anything loads) and the one-line messages a user sees for a
 Each knob is declared once, in `Knobs` below: its type, its default and what it means. conf/config.yaml holds the
 config groups' choices and hands the knobs to the module and the data module as one node, ${knobs:}.
 """
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
