@@ -3,7 +3,7 @@
 # Every part writes below docs/study/<part>/ and resumes: a job skips the prompts already recorded in its folder, and a
 # larger LIMIT adds prompts to every job of a part (so a part can grow in passes: LIMIT=4, then 8, ... 20, each pass
 # leaving every method with the same prompts). One part at a time: the speed part needs a quiet machine.
-# Usage: [LIMIT=N] bash sweeps/study.sh [main|ablation|temperature|speed|audit]...   (default: all five)
+# Usage: [LIMIT=N] bash sweeps/study.sh [main|ablation|temperature|speed|audit|arena]...   (default: all six)
 set -euo pipefail -f  # -f: no globbing, the overrides hold brackets
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -56,6 +56,15 @@ audit() {  # exact audit on distributions of the real pair: 20 contexts, top-6 t
   $PY -m spectr_gbv.tools.audit --real --json $OUT/audit/real.json
 }
 
-for part in ${@:-main ablation temperature speed audit}; do
+arena() {  # every verifier on the gbv decode's drafts (mode=arena): K = 4, so every k <= 4 from the same decode, x
+           # L = 4, 8 x T = 0.4, 1.0, the five datasets. float32 on oneDNN, named: the arena compares verifiers on the
+           # contexts of one decode, and this precision decodes fastest where bfloat16 is emulated (docs/performance.md)
+  local ARENA="mode=arena dataset=all limit=$LIMIT max_new_tokens=${ARENA_TOKENS:-128} num_drafts=4 batch_size=8"
+  ARENA="$ARENA replicas=${REPLICAS:-8} logger=none"
+  ARENA="$ARENA model.dtype=float32 model.linear_kernel=onednn drafter.dtype=float32 drafter.linear_kernel=onednn"
+  $PY $RUN -m $ARENA block_length=4,8 temperature=0.4,1.0 hydra.sweep.dir=$OUT/arena
+}
+
+for part in ${@:-main ablation temperature speed audit arena}; do
   "$part"
 done

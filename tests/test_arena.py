@@ -17,7 +17,7 @@ from spectr_gbv.errors import ConfigError
 from spectr_gbv.experiment.arena import Arena, draft_digest
 from spectr_gbv.experiment.config import arena_verifiers
 from spectr_gbv.experiment.config import validate
-from spectr_gbv.verifiers import VERIFIERS, build_verifier, reference, verifier_names
+from spectr_gbv.verifiers import build_verifier, reference, verifier_names
 from spectr_gbv.verifiers.tree import NaiveVerifier
 from test_run import records, run_py
 from test_verifiers import instance, sample_path

@@ -16,7 +16,7 @@ from spectr_gbv.decoding.gguf_packages import DEFAULT_PAIR
 from spectr_gbv.decoding.models import LoadedModel, is_hub_id
 from spectr_gbv.errors import ConfigError
 from spectr_gbv.experiment.config import validate
-from spectr_gbv.verifiers import CHOICES, VERIFIERS, verifier_names
+from spectr_gbv.verifiers import CHOICES, verifier_names
 
 PACKAGED = "spectr_gbv.decoding.gguf_packages.packaged"
 MODEL_TARGETS = {"qwen": PACKAGED, "smollm2": PACKAGED, "hf": "spectr_gbv.decoding.models.pretrained",

@@ -28,7 +28,7 @@ from spectr_gbv.experiment import records
 from spectr_gbv.experiment.config import arena_verifiers, check_replicas
 from spectr_gbv.experiment.metrics import paired_difference
 from spectr_gbv.experiment.module import SpeculativeEvaluation
-from spectr_gbv.verifiers import build_verifier, optimal_acceptance, verifier_class
+from spectr_gbv.verifiers import ALIASES, build_verifier, optimal_acceptance
 
 TABLE = ("verifier", "contexts", "expected_accepted", "expected_accepted_se", "difference", "difference_low",
          "difference_high", "first_token_acceptance", "alpha_star", "ms_per_call")
