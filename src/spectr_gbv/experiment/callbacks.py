@@ -98,7 +98,8 @@ def arena_table(arena: dict):
     table = Table(title=f"arena: {overall['decode']['iterations']} contexts, differences against "
                         f"{arena['reference']}@k", title_justify="left")
     for column in ("verifier@k", "E[tau]", "difference [95%]", "first token", "alpha*", "ms/call"):
-        table.add_column(escape(column), justify="left" if column == "verifier@k" else "right")
+        first = column == "verifier@k"  # whole names: a cut one can hide which rule a row is
+        table.add_column(escape(column), justify="left" if first else "right", no_wrap=first)
     for name, row in overall["verifiers"].items():
         found = row["difference"]
         difference = "" if found is None else f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]"
