@@ -2,7 +2,6 @@
 the variance it removes, and run.py mode=arena end to end with a killed job resumed."""
 import json
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from spectr_gbv.experiment.config import arena_verifiers
 from spectr_gbv.experiment.config import validate
 from spectr_gbv.verifiers import build_verifier, reference, verifier_names
 from spectr_gbv.verifiers.tree import NaiveVerifier
-from test_run import records, run_py
+from test_run import records, run_py, signal_after_records
 from test_verifiers import instance, sample_path
 
 # verifier: the draft counts where accepted_law() has a closed form
@@ -185,9 +184,7 @@ def test_run_py_arena_end_to_end_resumes_after_a_kill(tmp_path):
            "limit=3", "max_new_tokens=6", f"hydra.run.dir={tmp_path}"]
     process = run_py(*job, background=True)
     predictions = tmp_path / "predictions.jsonl"
-    while process.poll() is None and not (predictions.exists() and predictions.read_text().count("\n") >= 1):
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
+    signal_after_records(process, predictions, 1, signal.SIGKILL)
     process.wait()
     kept = predictions.read_text()
     assert 1 <= kept.count("\n") < 3 and not (tmp_path / "summary.json").exists()

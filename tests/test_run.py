@@ -32,6 +32,13 @@ def run_py(*args: str, env: dict | None = None, background: bool = False, stderr
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def signal_after_records(process, predictions: Path, count: int, signum: int) -> None:
+    """Send signum to a background run.py once predictions holds `count` records (or the run has ended)."""
+    while process.poll() is None and not (predictions.exists() and predictions.read_text().count("\n") >= count):
+        time.sleep(0.02)
+    process.send_signal(signum)
+
+
 def records(folder: Path) -> dict:
     lines = (folder / "predictions.jsonl").read_text().splitlines()
     found = {(r["dataset"], r["prompt_id"]): r for r in map(json.loads, lines)}
@@ -165,9 +172,7 @@ def test_killed_job_keeps_its_records_and_resumes(batch_size, tmp_path):
     job = ["limit=6", "max_new_tokens=32", f"batch_size={batch_size}", f"hydra.run.dir={tmp_path}"]
     process = run_py(*job, background=True)
     predictions = tmp_path / "predictions.jsonl"
-    while process.poll() is None and not (predictions.exists() and predictions.read_text().count("\n") >= 2):
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
+    signal_after_records(process, predictions, 2, signal.SIGKILL)
     process.wait()
     assert not (tmp_path / "summary.json").exists(), "the job finished before it could be killed"
     kept = predictions.read_text()
@@ -206,9 +211,7 @@ def test_a_signal_stops_a_run_promptly_keeping_its_records(signum, sweep, tmp_pa
     job = ["limit=6", "max_new_tokens=128", "batch_size=2", *where]
     process = run_py(*job, background=True, stderr=tmp_path / "stderr.txt")
     predictions = folder / "predictions.jsonl"
-    while process.poll() is None and not (predictions.exists() and predictions.read_text().count("\n") >= 1):
-        time.sleep(0.02)
-    process.send_signal(signum)
+    signal_after_records(process, predictions, 1, signum)
     sent = time.monotonic()
     process.wait(timeout=30)
     assert time.monotonic() - sent < 10 and process.returncode != 0

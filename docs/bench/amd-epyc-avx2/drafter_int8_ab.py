@@ -7,17 +7,16 @@ activations drafters, interleaved.
 
     PYTHONPATH=src python docs/bench/amd-epyc-avx2/drafter_int8_ab.py [--part steps] [--tiny]
 """
-import argparse
 import time
 
 import torch
 
 from spectr_gbv.decoding.precision import machine
-from spectr_gbv.decoding.engine import SpeculativeEngine
 from spectr_gbv.decoding.gguf_packages import packaged
 from spectr_gbv.decoding.tiny import tiny
-from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.tools.bench_engine import PROMPTS, load_pair
+
+from drafter_int8_dynamic_ab import arguments, drafters_ab  # the same engine A/B loop, beside this script
 
 DRAFTER = "qwen2.5-coder-0.5b-instruct"
 
@@ -32,39 +31,7 @@ def engine_ab(args):
     for model in (target, fp32, int8):  # page the memory-mapped embeddings in before timing anything
         model.model.get_input_embeddings().weight.sum()
     drafters = {"fp32-onednn": fp32, "int8-bf16": int8}
-    engines = {"ar": SpeculativeEngine(target, None, "ar", sampling=Sampling(1.0))}
-    for name, drafter in drafters.items():
-        for K in (1, 2, 3):
-            engines[f"gbv K={K} {name}"] = SpeculativeEngine(target, drafter, "gbv", K, 4, Sampling(1.0))
-    for engine in engines.values():  # warm-up
-        engine.generate_batch(prompts[:2], 2, [torch.Generator().manual_seed(i) for i in range(2)])
-    totals = {}
-    for i, prompt in enumerate(prompts[:args.prompts]):
-        for name, engine in engines.items():
-            record = engine.generate(prompt, args.tokens, torch.Generator().manual_seed(i))
-            tokens, wall, calls = totals.get(name, (0, 0.0, 0))
-            totals[name] = (tokens + record.new_tokens, wall + record.total_time, calls + record.target_calls)
-            print(f"prompt {i} {name}: {record.new_tokens / record.total_time:.2f} tok/s, "
-                  f"block eff. {record.new_tokens / record.target_calls:.2f}", flush=True)
-    ar_rate = totals["ar"][0] / totals["ar"][1]
-    for name, (tokens, wall, calls) in totals.items():
-        print(f"B=1 {name}: {tokens / wall:.2f} tok/s, {tokens / wall / ar_rate:.2f}x ar, "
-              f"block eff. {tokens / calls:.2f}")
-    batch = {"ar": engines["ar"], **{f"gbv K=3 {name}": engines[f"gbv K=3 {name}"] for name in drafters}}
-    results = {}
-    for rnd, order in enumerate((list(batch), list(batch)[::-1])):
-        for name in order:
-            start = time.perf_counter()
-            generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
-            records = batch[name].generate_batch(prompts, args.tokens, generators)
-            wall = time.perf_counter() - start
-            tokens = sum(r.new_tokens for r in records)
-            results.setdefault(name, []).append((tokens, wall))
-            print(f"round {rnd} B={len(prompts)} {name}: {tokens / wall:.2f} tok/s", flush=True)
-    ar_batch = sum(t for t, _ in results["ar"]) / sum(w for _, w in results["ar"])
-    for name, runs in results.items():
-        rate = sum(t for t, _ in runs) / sum(w for _, w in runs)
-        print(f"B={len(prompts)} {name}: {rate:.2f} tok/s, {rate / ar_batch:.2f}x ar at B={len(prompts)}")
+    drafters_ab(target, drafters, prompts, args)
 
 
 def steps(args):
@@ -97,13 +64,7 @@ def steps(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["engine", "steps"], default="engine")
-    parser.add_argument("--tiny", action="store_true", help="tiny random models: a smoke test in seconds")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts decoded one at a time (B=1)")
-    parser.add_argument("--batch", type=int, default=8, help="prompts of the batch part")
-    parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__.splitlines()[0], ["engine", "steps"], argv)
     (engine_ab if args.part == "engine" else steps)(args)
 
 

@@ -74,6 +74,12 @@ def engine_ab(args):
     prompts = [target.encode_prompt(t) for t in PROMPTS[:args.batch]]
     for model in (target, *drafters.values()):  # page the memory-mapped embeddings in before timing anything
         model.model.get_input_embeddings().weight.sum()
+    drafters_ab(target, drafters, prompts, args)
+
+
+def drafters_ab(target, drafters, prompts, args):
+    """ar and gbv K=1/2/3 L=4 T=1 with each drafter, prompt by prompt in turn (B=1), then gbv K=3 and ar at B=8,
+    there and back (also run by drafter_int8_ab.py)."""
     engines = {"ar": SpeculativeEngine(target, None, "ar", sampling=Sampling(1.0))}
     for name, drafter in drafters.items():
         for K in (1, 2, 3):
@@ -136,14 +142,19 @@ def variants(args):
               flush=True)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["engine", "variants"], default="engine")
+def arguments(description: str, parts: list[str], argv=None):
+    """The flags of the drafter A/B scripts (this one and drafter_int8_ab.py)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--part", choices=parts, default=parts[0])
     parser.add_argument("--tiny", action="store_true", help="tiny random models: a smoke test in seconds")
     parser.add_argument("--prompts", type=int, default=4, help="prompts decoded one at a time (B=1)")
     parser.add_argument("--batch", type=int, default=8, help="prompts of the batch part")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = arguments(__doc__.splitlines()[0], ["engine", "variants"], argv)
     warnings.simplefilter("ignore")
     torch.backends.quantized.engine = "fbgemm"
     (engine_ab if args.part == "engine" else variants)(args)
