@@ -13,7 +13,7 @@ forward, laws in float64 from the logits at temperature 1). Contexts: the first 
 tree starts inside an answer. At each context a tree of depth L=2: the support after every prefix is the target's
 top m=6 tokens there, and p and q are both renormalised over it, so an instance is a pair of context-dependent laws
 on an m-token vocabulary (the JSON gives the untruncated mass the supports hold). m=6, not 8: the enumeration visits
-m^(L K) draft tuples: at K=3 that is 8^6, 9x the 6^6 of m=6, for each of 20 instances and every verifier.
+m^(L K) draft tuples: at K=3 that is 8^6, 5.6x the 6^6 of m=6, for each of 20 instances and every verifier.
 
 `--verifier module.path:ClassName` (repeatable; built-in names work too) audits a verifier as a black box, since
 its kernel cannot be enumerated: chi-square tests of whole generated streams against the target's law on the anchors
