@@ -214,5 +214,5 @@ def test_run_py_arena_end_to_end_resumes_after_a_kill(tmp_path):
     assert list(run.parent.glob("files/media/table/arena_*.table.json"))
 
     markdown = report(tmp_path)
-    assert "| verifier@k | contexts | E[tau] |" in markdown and "| spectr_gbv_paper@2 ~ |" in markdown
+    assert "| verifier@k | setting | contexts | E[tau] |" in markdown and "| spectr_gbv_paper@2 ~ |" in markdown
     assert (tmp_path / "arena_differences.png").exists()
