@@ -41,14 +41,18 @@ temperature() {  # gbv and spectr at K = 3, L = 8 on the ablation's 40 prompts; 
   $PY $RUN -m verifier=gbv,spectr temperature=0.4,0.7,1.0 $TEMP hydra.sweep.dir=$OUT/temperature/t
 }
 
-speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = 4, T = 0.4, 2 prompts per dataset;
-           # each summary holds its machine and the cost-model limit of its speedup (bare passes timed after decoding);
-           # a job resumed on another machine says "mixed: ..." there: on a new machine, delete $OUT/speed and rerun
-  local SPEED="dataset=all limit=2 max_new_tokens=128 block_length=4 temperature=0.4 batch_size=1 baseline=true"
-  SPEED="$SPEED $PAIR"
-  $PY $RUN -m verifier=$K1 num_drafts=1 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k1
+speed() {  # batch size 1, each prompt also decoded by ar (baseline=true): L = SPEED_L (4; 8 writes speed/l8), T = 0.4,
+           # SPEED_LIMIT (2) prompts per dataset; each summary holds its machine and the cost-model limit of its speedup
+           # (bare passes timed after decoding); a job resumed on another machine says "mixed: ..." there: on a new
+           # machine, delete its folder and rerun. SPEED_PAIR (default the study's PAIR) names the precision: speed is
+           # the machine's, so where bfloat16 is emulated give the precision dtype auto picks there (docs/performance.md)
+  local L=${SPEED_L:-4} DIR=$OUT/speed
+  [ "$L" = 4 ] || DIR=$OUT/speed/l$L
+  local SPEED="dataset=all limit=${SPEED_LIMIT:-2} max_new_tokens=128 block_length=$L temperature=0.4 batch_size=1"
+  SPEED="$SPEED baseline=true ${SPEED_PAIR:-$PAIR}"
+  $PY $RUN -m verifier=$K1 num_drafts=1 $SPEED logger=none hydra.sweep.dir=$DIR/k1
   # gbv first: a pass cut short still times the project's own K = 3 rule
-  $PY $RUN -m verifier=$K3 num_drafts=3 $SPEED logger=none hydra.sweep.dir=$OUT/speed/k3
+  $PY $RUN -m verifier=$K3 num_drafts=3 $SPEED logger=none hydra.sweep.dir=$DIR/k3
 }
 
 audit() {  # exact audit on distributions of the real pair: 20 contexts, top-6 tokens, depth 2, K = 1, 2, 3
