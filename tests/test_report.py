@@ -6,7 +6,7 @@ import json
 import pytest
 
 from spectr_gbv.experiment.metrics import COUNTERS, RECORD_TIMES, aggregate
-from spectr_gbv.tools.report import main, refresh_page
+from spectr_gbv.tools.report import contexts_needed, main, refresh_page
 
 BLOCK_LENGTHS = (2, 4)
 
@@ -174,3 +174,9 @@ def test_jobs_at_several_temperatures_keep_a_row_each(tmp_path, capsys):
     main([str(tmp_path)])
     out = capsys.readouterr().out
     assert "| gbv K=3 L=8 temperature=0.0 | " in out and "| gbv K=3 L=8 temperature=0.4 | " in out
+
+
+def test_contexts_needed_scale_an_interval_to_the_resolution():
+    """An interval of +-0.02 over 100 contexts needs 4x the contexts for +-0.01; one already as narrow needs fewer."""
+    assert contexts_needed(100, {"low": -0.03, "high": 0.01}) == 400
+    assert contexts_needed(100, {"low": 0.0, "high": 0.01}) == 25

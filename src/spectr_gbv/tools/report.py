@@ -253,10 +253,20 @@ def forest_plot(entries: list[dict], path: Path,
     plt.close(figure)
 
 
+RESOLUTION = 0.01  # tokens per iteration: the lossless K = 3 rules differ by about 0.02 (docs/results.md §6)
+
+
+def contexts_needed(contexts: int, difference: dict) -> int:
+    """Contexts that would narrow this paired interval to +-RESOLUTION: its width falls as 1/sqrt(contexts)."""
+    half_width = (difference["high"] - difference["low"]) / 2
+    return math.ceil(contexts * (half_width / RESOLUTION) ** 2)
+
+
 def arena_tables(folder: Path) -> tuple[str, list[dict]]:
     """Each verifier-arena job (mode=arena) below the folder: per verifier@k over all its contexts (its setting beside
     it, so that a results page's rows name their job), E[tau] given the drafts with its standard error, the paired
-    difference against the reference verifier at the same k with its 95% bootstrap interval, the first-token
+    difference against the reference verifier at the same k with its 95% bootstrap interval and the contexts that
+    would narrow it to +-RESOLUTION, the first-token
     acceptance beside the optimal-transport bound alpha* and the ms per call; the reference decode's cost above it.
     Returns the Markdown and the intervals (for the forest plot)."""
     text, entries = [], []
@@ -274,15 +284,17 @@ def arena_tables(folder: Path) -> tuple[str, list[dict]]:
                  f"iteration ({'-' if verify is None else f'{verify:.1f}'} ms in its verifier), block efficiency "
                  f"{decode['block_efficiency']:.2f}. E[tau] given the drafts (± standard error over contexts; "
                  "exact, or a mean of replicas where marked ~):", "",
-                 "| verifier@k | setting | contexts | E[tau] | vs reference@k [95%] | first-token acceptance "
-                 "| alpha* | ms/call |", "|" + "---|" * 8]
+                 f"| verifier@k | setting | contexts | E[tau] | vs reference@k [95%] | contexts for ±{RESOLUTION} "
+                 "| first-token acceptance | alpha* | ms/call |", "|" + "---|" * 9]
         for name, row in overall["verifiers"].items():
             found = row["difference"]
             se = "" if row["expected_accepted_se"] is None else f" ± {row['expected_accepted_se']:.3f}"
-            difference = ("" if found is None else
-                          f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]")
+            difference, needed = "", ""
+            if found is not None:
+                difference = f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]"
+                needed = f"{contexts_needed(row['contexts'], found):,}"
             text.append(f"| {name}{'' if row['exact'] else ' ~'} | {setting} | {row['contexts']} | "
-                        f"{row['expected_accepted']:.3f}{se} | {difference} | {row['first_token_acceptance']:.3f} | "
+                        f"{row['expected_accepted']:.3f}{se} | {difference} | {needed} | {row['first_token_acceptance']:.3f} | "
                         f"{row['alpha_star']:.3f} | {row['ms_per_call']:.2f} |")
             if found is not None:
                 k = name.rpartition("@")[2]
