@@ -71,7 +71,7 @@ class DecodeRecord:
 
 
 class Stopped(Exception):
-    """generate_batch was asked to stop (should_stop() returned True); finished prompts were reported already."""
+    """A decode was asked to stop (should_stop() returned True); finished prompts were reported already."""
 
 
 class Rows:
@@ -194,7 +194,7 @@ class SpeculativeEngine:
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         if len(generators) != len(prompts):
             raise ValueError(f"got {len(generators)} generators for {len(prompts)} prompts: give one per prompt")
-        records: list[DecodeRecord] = [None] * len(prompts)
+        records: list[DecodeRecord | None] = [None] * len(prompts)
 
         def finish(index: int, record: DecodeRecord) -> None:
             records[index] = record
