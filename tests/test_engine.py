@@ -557,7 +557,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("name, K, L", [("token", 1, 4), ("gbv", 3, 4), ("spectr", 3, 2)])
 def test_greedy_identity_and_batch_invariance_on_cuda(name, K, L):
     """float32 on cuda, every mask, position and generator on the device: greedy outputs equal transformers'
-    generate() there, and sampled outputs do not depend on the batch."""
+    generate() there, and sampled outputs do not depend on the batch, nor on when a prompt joins it."""
     target, drafter = tiny(seed=0, device="cuda"), tiny(seed=0, perturb=0.2, device="cuda")
     prompts = [target.tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS]
     greedy = SpeculativeEngine(target, drafter, name, K, L, Sampling(0.0, draft_temperature=1.0 if K > 1 else None))
@@ -568,6 +568,8 @@ def test_greedy_identity_and_batch_invariance_on_cuda(name, K, L):
              for i, prompt in enumerate(prompts)]
     together = sampled.generate_batch(prompts, MAX_NEW, cuda_generators(len(prompts)))
     assert [record.output_ids for record in together] == alone
+    refilled = sampled.generate_batch(prompts, MAX_NEW, cuda_generators(len(prompts)), slots=2)
+    assert [record.output_ids for record in refilled] == alone
 
 
 def cuda_generators(n):
