@@ -69,8 +69,9 @@ def test_token_scores_its_closed_form():
         assert context["verifiers"]["token@1"]["se"] is None  # exact
 
 
-def decode_with_arena(arena: Arena, perturb: float, K: int, L: int, max_new_tokens: int = 8):
-    """A float64 tiny pair decoded with gbv, the arena watching; also returns each row's drafts per iteration."""
+def decode_with_arena(arena: Arena, perturb: float, K: int, L: int, max_new_tokens: int = 8, slots: int | None = None):
+    """A float64 tiny pair decoded with gbv (at most `slots` prompts at once), the arena watching; also returns each
+    row's drafts per iteration."""
     target = tiny(0, dtype="float64")
     drafter = tiny(0, perturb=perturb, dtype="float64")
     engine = SpeculativeEngine(target, drafter, "gbv", K, L, Sampling(1.0))
@@ -84,7 +85,8 @@ def decode_with_arena(arena: Arena, perturb: float, K: int, L: int, max_new_toke
         watch(indices, tokens, q, p, out)
 
     engine.generate_batch([target.encode_prompt(prompt["prompt"]) for prompt in prompts], max_new_tokens,
-                          [torch.Generator().manual_seed(i) for i in range(2)], on_iteration=on_iteration)
+                          [torch.Generator().manual_seed(i) for i in range(2)], on_iteration=on_iteration,
+                          slots=slots)
     return [(arena.finished(prompt), seen[i]) for i, prompt in enumerate(prompts)]
 
 
@@ -101,6 +103,22 @@ def test_a_drafter_equal_to_the_target_has_every_token_accepted():
                 assert values["expected_accepted"] == pytest.approx(L, abs=1e-9), name
                 assert values["first_token_acceptance"] == pytest.approx(1, abs=1e-9), name
     assert checked >= 2
+
+
+def test_contexts_do_not_depend_on_when_a_prompt_joins():
+    """One slot: the second prompt joins when the first has finished, and gets the contexts it gets beside it: the
+    same drafts, and the same scores up to the rounding of laws computed in passes of another width."""
+    def contexts(slots):
+        decoded = decode_with_arena(Arena(["token", "gbv"], 2, replicas=2, seed=0), 0.5, K=2, L=2, slots=slots)
+        return [context for prompt_contexts, _ in decoded for context in prompt_contexts]
+
+    together, one_by_one = contexts(None), contexts(1)
+    assert [(c["iteration"], c["drafts"]) for c in one_by_one] == [(c["iteration"], c["drafts"]) for c in together]
+    for joined, beside in zip(one_by_one, together):
+        assert joined["alpha_star"] == pytest.approx(beside["alpha_star"], abs=1e-12)
+        for name, values in beside["verifiers"].items():
+            assert joined["verifiers"][name]["expected_accepted"] == pytest.approx(values["expected_accepted"],
+                                                                                   abs=1e-12)
 
 
 class SeenA(NaiveVerifier):

@@ -1,5 +1,6 @@
 """The engine on tiny random models: warping, greedy identity with transformers, the exact sampling law of the
-first tokens, KV caches that equal a fresh prefill, and the per-sequence record."""
+first tokens, KV caches that equal a fresh prefill, the per-sequence record, and outputs that depend neither on the
+batch nor on when a prompt joins it (continuous batching)."""
 
 import collections
 import warnings
@@ -13,7 +14,7 @@ from transformers import DynamicCache
 
 from spectr_gbv.decoding import precision
 from spectr_gbv.decoding.cache import COMMITTED, SlotCache, only_where, position_wise_modules
-from spectr_gbv.decoding.engine import SpeculativeEngine
+from spectr_gbv.decoding.engine import SpeculativeEngine, Stopped
 from spectr_gbv.decoding.sampling import Sampling, warp
 from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.verifiers import VERIFIERS, Verifier, VerifierOutput, build_verifier, verifier_names
@@ -84,7 +85,8 @@ def greedy_pair():
 
 
 def hf_greedy(loaded, prompt, max_new_tokens):
-    out = loaded.model.generate(torch.tensor([prompt], device=loaded.model.device), do_sample=False, max_new_tokens=max_new_tokens)
+    out = loaded.model.generate(torch.tensor([prompt], device=loaded.model.device), do_sample=False,
+                                max_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
 
 
@@ -289,35 +291,39 @@ def test_first_tokens_follow_the_target_law(small_pair, name, K, L, lossless, ba
 
 # ---- KV caches -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("K, L, batch", [(1, 4, [0]), (3, 4, [0]), (3, 4, [0, 1, 2]), (2, 3, [2, 0, 1])])
-def test_caches_hold_exactly_the_committed_path(greedy_pair, monkeypatch, K, L, batch):
+@pytest.mark.parametrize("K, L, batch, slots", [(1, 4, [0], None), (3, 4, [0], None), (3, 4, [0, 1, 2], None),
+                                                (2, 3, [2, 0, 1], None), (3, 4, [2, 0, 1, 0], 2)])
+def test_caches_hold_exactly_the_committed_path(greedy_pair, monkeypatch, K, L, batch, slots):
     """Before every draft and every target pass, each row's committed slots equal a fresh prefill of the committed
-    tokens that cache covers: none before the first iteration (it reads the prompt), then the drafter's lacks the
-    last one or two, the target's exactly the last one."""
+    tokens that cache covers: none in a row's first iteration (it reads the prompt, also when the row joins beside
+    others: slots), then the drafter's lacks the last one or two, the target's exactly the last one."""
     target, drafter, prompts = greedy_pair
     engine = SpeculativeEngine(target, drafter, "gbv", num_drafts=K, block_length=L, sampling=Sampling(1.0))
     seen = {"draft": 0, "score": 0}
     draft, score = SpeculativeEngine._draft, SpeculativeEngine._score
 
     def checked_draft(self, cache, rows):
-        for row, ids in enumerate(rows.ids):
-            assert len(ids) - 2 <= int(cache.lengths[row]) <= len(ids) - 1 if seen["draft"] else cache.size == 0
-            assert_fresh(drafter, cache, row, ids[:int(cache.lengths[row])])
+        for row, (ids, record) in enumerate(zip(rows.ids, rows.records)):
+            length = int(cache.lengths[row])
+            assert len(ids) - 2 <= length <= len(ids) - 1 if record.target_calls else length == 0
+            assert_fresh(drafter, cache, row, ids[:length])
         seen["draft"] += 1
         return draft(self, cache, rows)
 
     def checked_score(self, cache, rows, tokens):
-        for row, ids in enumerate(rows.ids):
-            assert_fresh(target, cache, row, ids[:-1] if seen["score"] else [])
+        for row, (ids, record) in enumerate(zip(rows.ids, rows.records)):
+            assert_fresh(target, cache, row, ids[:-1] if record.target_calls else [])
         seen["score"] += 1
         return score(self, cache, rows, tokens)
 
     monkeypatch.setattr(SpeculativeEngine, "_draft", checked_draft)
     monkeypatch.setattr(SpeculativeEngine, "_score", checked_score)
-    records = engine.generate_batch([prompts[i] for i in batch], 24, generators(len(batch)))
+    records = engine.generate_batch([prompts[i] for i in batch], 24, generators(len(batch)), slots=slots)
     for record in records:
         check_record(record, K, L, 24)
-    assert seen["draft"] == seen["score"] == max(record.target_calls for record in records) > 3
+    assert seen["draft"] == seen["score"] > 3
+    if slots is None:  # all rows start together: one iteration per iteration of the longest
+        assert seen["score"] == max(record.target_calls for record in records)
     accepted = [n for record in records for n in record.accepted_lengths]
     assert len(set(accepted)) > 1  # varied paths
     if K > 1:
@@ -364,7 +370,8 @@ def test_padded_positions_skip_the_position_wise_modules(greedy_pair):
 # ---- batch invariance, attention implementations, devices ----------------------------------------------------
 
 INVARIANCE_CASES = [("ar", 1, 1, 0.0), ("ar", 1, 1, 1.0), ("token", 1, 4, 0.0), ("gbv", 3, 4, 0.0),
-                    ("gbv", 3, 4, 1.0), ("spectr", 2, 3, 1.0), ("multipath", 3, 2, 1.0), ("spectr_gbv_paper", 3, 4, 1.0)]
+                    ("gbv", 3, 4, 1.0), ("spectr", 2, 3, 1.0), ("multipath", 3, 2, 1.0),
+                    ("spectr_gbv_paper", 3, 4, 1.0)]
 
 
 def decode_in_batches(engine, prompts, batch_size, max_new_tokens=MAX_NEW):
@@ -388,6 +395,124 @@ def test_outputs_do_not_depend_on_the_batch(greedy_pair, name, K, L, temperature
     assert decode_in_batches(engine, prompts, 4) == alone
     assert decode_in_batches(engine, prompts, len(prompts)) == alone
     assert len({tuple(ids) for ids in alone}) > 1
+
+
+# ---- continuous batching -----------------------------------------------------------------------------------------
+
+REFILL_CASES = ([("ar", 1, 1, 1.0), ("ar", 1, 1, 0.0), ("token", 1, 4, 0.0), ("gbv", 3, 4, 0.0)]
+                + [(name, VERIFIERS[name].max_drafts or 3, 3, 1.0) for name in sorted(VERIFIERS)])
+
+
+def six_prompts(prompts):
+    """PROMPTS (lengths 11, 15, 1; greedy decoding of the second ends at EOS) and three more of other lengths."""
+    return prompts + [prompts[0][:4], prompts[1][3:], prompts[2] * 6]
+
+
+def decode_alone(engine, prompts, max_new_tokens=MAX_NEW):
+    return [engine.generate(prompt, max_new_tokens, torch.Generator().manual_seed(i))
+            for i, prompt in enumerate(prompts)]
+
+
+def decisions(record):
+    return record.output_ids, record.accepted_lengths, record.draft_indices
+
+
+@pytest.mark.parametrize("name, K, L, temperature", REFILL_CASES)
+def test_refill_gives_each_prompt_its_decode_alone(greedy_pair, name, K, L, temperature):
+    """Six prompts through two slots: each prompt joins as another finishes (at EOS or at max_new_tokens), beside
+    rows in the middle of their decode, and gets exactly the tokens, accepted lengths and draft indices it gets
+    alone (float64). Every row's first iteration is its own prefill."""
+    target, drafter, prompts = greedy_pair
+    sampling = Sampling(temperature, draft_temperature=1.0)  # sampled drafts at T = 0 too: varied decisions
+    engine = SpeculativeEngine(target, None if name == "ar" else drafter, name, K, L, sampling)
+    prompts = six_prompts(prompts)
+    alone = decode_alone(engine, prompts)
+    joined = []  # per iteration: did a row join while the verifier had a state for the others?
+    if engine.verifier is not None:
+        verifier, first_seen = engine.verifier, set()
+
+        def watched(tokens, q, p, generator, state):
+            joined.append(state is not None)
+            return verifier(tokens, q, p, generator=generator, state=state)
+
+        def on_iteration(indices, *_):
+            joined[-1] &= not first_seen.issuperset(indices)
+            first_seen.update(indices)
+
+        engine.verifier = watched
+    refill = engine.generate_batch(prompts, MAX_NEW, generators(len(prompts)), slots=2,
+                                   on_iteration=None if engine.verifier is None else on_iteration)
+    assert [decisions(record) for record in refill] == [decisions(record) for record in alone]
+    for record in refill:
+        assert record.prefill_time > 0 and record.prefill_tokens >= 1
+        if name != "ar":
+            check_record(record, K, L, MAX_NEW)
+    if temperature == 0:  # the engineered EOS, and cuts at max_new_tokens
+        assert len(refill[EOS_PROMPT].output_ids) == EOS_STEP + 1
+        assert any(len(record.output_ids) == MAX_NEW for record in refill)
+    if name == "gbv" and temperature > 0:  # a fresh row beside rows with pending levels
+        assert any(joined)
+
+
+def rows_per_target_pass(target):
+    """Collects the rows of every target pass within it."""
+    rows = []
+    hook = target.model.register_forward_hook(lambda module, args, kwargs, out: rows.append(
+        kwargs["input_ids"].shape[0]), with_kwargs=True)
+    return rows, hook
+
+
+def test_refill_keeps_the_passes_full(greedy_pair):
+    """Six prompts, two slots, a greedy target (two prompts end at EOS after one iteration): in chunks of two the
+    other prompt of such a pair decodes alone for a dozen passes; refilled, every pass holds two rows until one
+    prompt is left, and the same tokens take fewer passes."""
+    target, drafter, prompts = greedy_pair
+    engine = SpeculativeEngine(target, drafter, "gbv", 3, 4, Sampling(0.0, draft_temperature=1.0))
+    prompts = six_prompts(prompts)
+    chunks, hook = rows_per_target_pass(target)
+    in_chunks = [record for start in range(0, len(prompts), 2) for record in engine.generate_batch(
+        prompts[start:start + 2], MAX_NEW, generators(2, seed=start))]
+    hook.remove()
+    refilled, hook = rows_per_target_pass(target)
+    refill = engine.generate_batch(prompts, MAX_NEW, generators(len(prompts)), slots=2)
+    hook.remove()
+    assert [decisions(record) for record in refill] == [decisions(record) for record in in_chunks]
+    assert refilled == sorted(refilled, reverse=True)  # two rows per pass, then the last prompt alone
+    assert sum(refilled) == sum(chunks)  # one row per iteration of each prompt, either way
+    assert len(refilled) < len(chunks) and sum(refilled) / len(refilled) > sum(chunks) / len(chunks)
+
+
+def test_a_decoder_takes_prompts_step_by_step_and_stops_keeping_the_finished(greedy_pair):
+    """The Lightning module's way: two prompts per step, each step decodes until both hold a row while the rows of
+    earlier steps go on; prompt indices count the prompts added, the same in every iteration hook; the last run
+    drains. A stop keeps every record reported before it."""
+    target, drafter, prompts = greedy_pair
+    engine = SpeculativeEngine(target, drafter, "gbv", 3, 4, Sampling(1.0))
+    prompts = six_prompts(prompts)
+    alone = decode_alone(engine, prompts)
+    finished, hooked = {}, {}
+    decoder = engine.decoder(2, MAX_NEW, on_finish=finished.__setitem__,
+                             on_iteration=lambda indices, tokens, *_: hooked.update(
+                                 {index: hooked.get(index, 0) + 1 for index in indices}))
+    for step in range(3):
+        assert [decoder.add(prompts[i], torch.Generator().manual_seed(i)) for i in (2 * step, 2 * step + 1)] == [
+            2 * step, 2 * step + 1]
+        decoder.run(until_admitted=True)
+        assert not decoder.waiting and 1 <= len(decoder.rows) <= 2
+    assert len(finished) < len(prompts)  # some rows outlive the last step
+    decoder.run()
+    assert not decoder.rows and sorted(finished) == list(range(len(prompts)))
+    assert [decisions(finished[i]) for i in range(len(prompts))] == [decisions(record) for record in alone]
+    assert hooked == {i: finished[i].target_calls for i in range(len(prompts))}
+
+    reported = {}
+    stopping = engine.decoder(2, MAX_NEW, on_finish=reported.__setitem__, should_stop=lambda: len(reported) >= 2)
+    for i, prompt in enumerate(prompts):
+        stopping.add(prompt, torch.Generator().manual_seed(i))
+    with pytest.raises(Stopped, match="prompts unfinished"):
+        stopping.run()
+    assert 2 <= len(reported) < len(prompts)
+    assert all(decisions(record) == decisions(alone[i]) for i, record in reported.items())
 
 
 def with_attention(loaded, implementation):
@@ -432,16 +557,19 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("name, K, L", [("token", 1, 4), ("gbv", 3, 4), ("spectr", 3, 2)])
 def test_greedy_identity_and_batch_invariance_on_cuda(name, K, L):
     """float32 on cuda, every mask, position and generator on the device: greedy outputs equal transformers'
-    generate() there, and sampled outputs do not depend on the batch."""
+    generate() there, and sampled outputs do not depend on the batch, nor on when a prompt joins it."""
     target, drafter = tiny(seed=0, device="cuda"), tiny(seed=0, perturb=0.2, device="cuda")
     prompts = [target.tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS]
     greedy = SpeculativeEngine(target, drafter, name, K, L, Sampling(0.0, draft_temperature=1.0 if K > 1 else None))
     records = greedy.generate_batch(prompts, MAX_NEW, cuda_generators(len(prompts)))
     assert [record.output_ids for record in records] == [hf_greedy(target, prompt, MAX_NEW) for prompt in prompts]
     sampled = SpeculativeEngine(target, drafter, name, K, L, Sampling(1.0))
-    alone = [sampled.generate(prompt, MAX_NEW, cuda_generators(i + 1)[i]).output_ids for i, prompt in enumerate(prompts)]
+    alone = [sampled.generate(prompt, MAX_NEW, cuda_generators(i + 1)[i]).output_ids
+             for i, prompt in enumerate(prompts)]
     together = sampled.generate_batch(prompts, MAX_NEW, cuda_generators(len(prompts)))
     assert [record.output_ids for record in together] == alone
+    refilled = sampled.generate_batch(prompts, MAX_NEW, cuda_generators(len(prompts)), slots=2)
+    assert [record.output_ids for record in refilled] == alone
 
 
 def cuda_generators(n):

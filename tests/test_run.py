@@ -123,17 +123,23 @@ def test_ddp_on_cpu_equals_one_process(single, tmp_path):
 
 @pytest.mark.parametrize("temperature", [0, 1])
 def test_outputs_depend_neither_on_the_batch_size_nor_the_processes(temperature, tmp_path):
-    """In float64 a prompt's tokens are the same at batch_size 1 and 4, and over two DDP processes on gloo."""
+    """In float64 a prompt's tokens (and its verifier's decisions) are the same at batch_size 1, 2 and 4, and over two
+    DDP processes on gloo. Rows outlive a step: at batch_size 2 or 4 a prompt of the next step takes the row of one
+    that finished; with baseline=true `ar` decodes alike and each record waits for both."""
     job = [f"temperature={temperature}", "draft_temperature=1", "num_drafts=3", "block_length=3", "limit=6",
            "model.dtype=float64", "drafter.dtype=float64"]
-    ways = {"one at a time": ["batch_size=1"], "four together": ["batch_size=4"],
+    ways = {"one at a time": ["batch_size=1"], "two at a time with a baseline": ["batch_size=2", "baseline=true"],
+            "four together": ["batch_size=4"],
             "four together on two processes": ["batch_size=4", "trainer=ddp_cpu", "trainer.devices=2"]}
     outputs = {}
     for way, extra in ways.items():
         folder = tmp_path / way.replace(" ", "_")
         done = run_py(*job, *extra, f"hydra.run.dir={folder}")
         assert done.returncode == 0, done.stderr[-3000:]
-        outputs[way] = {key: record["output_ids"] for key, record in records(folder).items()}
+        found = records(folder)
+        outputs[way] = {key: [record[field] for field in ("output_ids", "accepted_lengths", "draft_indices")]
+                        for key, record in found.items()}
+        assert all(("baseline" in record) == ("baseline=true" in extra) for record in found.values())
     assert len(outputs["one at a time"]) == 6
     for way in ways:
         assert outputs[way] == outputs["one at a time"], way

@@ -128,6 +128,17 @@ class SlotCache:
         self.cache.batch_select_indices(rows)
         self.label, self.position, self.lengths = self.label[rows], self.position[rows], self.lengths[rows]
 
+    def add_rows(self, count: int) -> None:
+        """Append `count` empty rows (prompts join the batch): every slot hidden, no committed token, keys and values
+        zeros that nobody sees; the next pass feeds their prompts (committed_inputs)."""
+        for layer in self.cache.layers:
+            if layer.get_seq_length() > 0:  # else the first pass creates the layer with every row
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(count, *layer.keys.shape[1:])])
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(count, *layer.values.shape[1:])])
+        self.label = torch.cat([self.label, self.label.new_full((count, self.size), HIDDEN)])
+        self.position = torch.cat([self.position, self.position.new_zeros(count, self.size)])
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
+
 
 def position_wise_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that map each position on its own: every decoder layer's MLP and the output layer (on the

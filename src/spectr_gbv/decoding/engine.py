@@ -6,15 +6,20 @@ Plain Python objects, no Hydra or Lightning:
 
     engine = SpeculativeEngine(target, drafter, "gbv", num_drafts=3, block_length=4, sampling=Sampling(1.0))
     records = engine.generate_batch(prompts, max_new_tokens=64, generators=[torch.Generator().manual_seed(s) ...])
+    records = engine.generate_batch(prompts, 64, generators, slots=8)  # at most 8 rows, refilled as rows finish
     record = engine.generate(prompt_ids, max_new_tokens=64, generator=torch.Generator().manual_seed(0))
 
-Each prompt draws all its randomness (drafts, verifier, `ar`) from its own generator, so its tokens do not depend on
-which prompts share its batch. Verifier "ar" is plain autoregressive decoding of the target with the same sampling:
-the speedup baseline.
+A batch holds at most `slots` rows (Decoder): a finished row leaves, and a waiting prompt takes its place at the
+next iteration (continuous batching), so passes stay full instead of emptying as a fixed batch's rows finish. The
+Lightning module keeps one Decoder across its steps. Each prompt draws all its randomness (drafts, verifier, `ar`)
+from its own generator and joins with a fresh verifier state, so its tokens do not depend on which prompts share
+its passes or when it joined (docs/algorithms.md §11, item 9). Verifier "ar" is plain autoregressive decoding of the
+target with the same sampling: the speedup baseline.
 """
 import dataclasses
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,41 +71,42 @@ class DecodeRecord:
 
 
 class Stopped(Exception):
-    """generate_batch was asked to stop (should_stop() returned True); finished prompts were reported already."""
+    """A decode was asked to stop (should_stop() returned True); finished prompts were reported already."""
 
 
 class Rows:
-    """The prompts of a batch that are still decoding, in the order of the models' batch rows: their committed
-    ids and generators, and every prompt's record."""
+    """The prompts decoding now, in the order of the models' batch rows: each one's prompt index, committed ids (its
+    prompt, then the tokens it emitted), generator and record."""
 
-    def __init__(self, prompts: list[list[int]], generators: list[torch.Generator], max_new_tokens: int,
-                 eos_ids: set[int], on_finish: Callable[[int, DecodeRecord], None] | None,
-                 should_stop: Callable[[], bool] | None):
-        self.ids = [list(prompt) for prompt in prompts]
-        self.generators = list(generators)
-        self.records = [DecodeRecord() for _ in prompts]
-        self.active = list(range(len(prompts)))  # the prompt index of each row
+    def __init__(self, max_new_tokens: int, eos_ids: set[int], on_finish: Callable[[int, DecodeRecord], None] | None):
+        self.indices: list[int] = []
+        self.ids: list[list[int]] = []
+        self.generators: list[torch.Generator] = []
+        self.records: list[DecodeRecord] = []
         self.max_new_tokens, self.eos_ids, self.on_finish = max_new_tokens, eos_ids, on_finish
-        self.should_stop = should_stop
 
     def __len__(self) -> int:
-        return len(self.active)
+        return len(self.indices)
 
-    def going_on(self) -> bool:
-        """True while some prompt is unfinished; checked before every iteration, so a stop takes one iteration."""
-        if self.active and self.should_stop is not None and self.should_stop():
-            raise Stopped(f"stopped with {len(self.active)} of {len(self.records)} prompts unfinished")
-        return bool(self.active)
+    def add(self, index: int, prompt: list[int], generator: torch.Generator) -> None:
+        self.indices.append(index)
+        self.ids.append(list(prompt))
+        self.generators.append(generator)
+        self.records.append(DecodeRecord())
 
-    def charge(self, key: str, seconds: float) -> None:
-        for index in self.active:
-            record = self.records[index]
-            setattr(record, key, getattr(record, key) + seconds / len(self.active))
+    def fresh(self) -> list[bool]:
+        """Per row: in its first iteration, whose passes read its prompt (its time is the row's prefill_time)."""
+        return [record.target_calls == 0 for record in self.records]
+
+    def charge(self, key: str, seconds: float, where: list[bool] | None = None) -> None:
+        """Each row (where `where` holds) gets its share of a pass over all rows, seconds / rows."""
+        for row, record in enumerate(self.records):
+            if where is None or where[row]:
+                setattr(record, key, getattr(record, key) + seconds / len(self))
 
     def count_iteration(self, positions: list[int], accepted: list[int] | None = None,
                         drafts: list[int] | None = None) -> None:
-        for row, index in enumerate(self.active):
-            record = self.records[index]
+        for row, record in enumerate(self.records):
             record.target_calls += 1
             record.target_positions += positions[row]
             if accepted is not None:
@@ -109,25 +115,24 @@ class Rows:
 
     def budgets(self) -> list[int]:
         """Tokens each row may still emit."""
-        return [self.max_new_tokens - len(self.records[index].output_ids) for index in self.active]
+        return [self.max_new_tokens - len(record.output_ids) for record in self.records]
 
     def emit(self, tokens: list[list[int]]) -> Tensor | None:
         """Append each row's new tokens up to the first EOS and up to max_new_tokens; finished rows leave. Returns
         the rows that go on (for the caches and the verifier state), None when every row does."""
         going = []
-        for row, (index, new) in enumerate(zip(self.active, tokens)):
-            if self._extend(self.records[index], new):
-                self.records[index].new_tokens = len(self.records[index].output_ids)
+        for row, (index, record, new) in enumerate(zip(self.indices, self.records, tokens)):
+            if self._extend(record, new):
+                record.new_tokens = len(record.output_ids)
                 if self.on_finish is not None:
-                    self.on_finish(index, self.records[index])
+                    self.on_finish(index, record)
             else:
                 self.ids[row] += new
                 going.append(row)
-        if len(going) == len(self.active):
+        if len(going) == len(self):
             return None
-        self.active = [self.active[row] for row in going]
-        self.ids = [self.ids[row] for row in going]
-        self.generators = [self.generators[row] for row in going]
+        for name in ("indices", "ids", "generators", "records"):
+            setattr(self, name, [getattr(self, name)[row] for row in going])
         return torch.tensor(going, dtype=torch.long)
 
     def _extend(self, record: DecodeRecord, tokens: list[int]) -> bool:
@@ -175,91 +180,38 @@ class SpeculativeEngine:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator) -> DecodeRecord:
         return self.generate_batch([prompt_ids], max_new_tokens, [generator])[0]
 
-    @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, generators: list[torch.Generator],
                        on_finish: Callable[[int, DecodeRecord], None] | None = None,
                        should_stop: Callable[[], bool] | None = None,
-                       on_iteration: IterationHook | None = None) -> list[DecodeRecord]:
-        """Decode the prompts together, prompt i with generators[i]; on_finish(i, record) is called as soon as
-        prompt i is done (records are final then). When should_stop() turns True, raises Stopped before the next
-        iteration. on_iteration sees every verification: the rows' prompt indices, the drafts, their laws and the
-        verifier's decision (the verifier arena scores other verifiers on them); its time is charged to no record."""
-        if not prompts or any(len(prompt) == 0 for prompt in prompts):
+                       on_iteration: IterationHook | None = None, slots: int | None = None) -> list[DecodeRecord]:
+        """Decode the prompts, prompt i with generators[i], at most `slots` at once (None: all together): a prompt
+        left waiting takes the row of one that finished at the next iteration (Decoder). on_finish(i, record) is
+        called as soon as prompt i is done (records are final then). When should_stop() turns True, raises Stopped
+        before the next iteration. on_iteration sees every verification: the rows' prompt indices, the drafts,
+        their laws and the verifier's decision (the verifier arena scores other verifiers on them); its time is
+        charged to no record."""
+        if not prompts:
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         if len(generators) != len(prompts):
             raise ValueError(f"got {len(generators)} generators for {len(prompts)} prompts: give one per prompt")
-        check_settings(self.verifier_name, self.num_drafts, self.block_length, max_new_tokens)
-        rows = Rows(prompts, generators, max_new_tokens, self.eos_ids, on_finish, should_stop)
-        if self.verifier is None:
-            self._autoregressive(rows)
-        else:
-            self._speculative(rows, on_iteration)
-        return rows.records
+        records: list[DecodeRecord | None] = [None] * len(prompts)
 
-    def _autoregressive(self, rows: Rows) -> None:
-        cache = SlotCache(self.target, len(rows))
-        while rows.going_on():
-            started = time.perf_counter()
-            prefill = cache.size == 0  # the first call reads the prompts (the cache starts empty)
-            tokens = sample(self._target_warp(cache.append(rows.ids)), rows.generators).tolist()
-            for key in ("prefill_time" if prefill else "target_time", "total_time"):
-                rows.charge(key, time.perf_counter() - started)
-            rows.count_iteration([0 if prefill else 1] * len(rows))
-            going = rows.emit([[token] for token in tokens])
-            if not rows:
-                return
-            if going is not None:
-                cache.select_rows(going.to(cache.lengths.device))
-            cache.compact()
+        def finish(index: int, record: DecodeRecord) -> None:
+            records[index] = record
+            if on_finish is not None:
+                on_finish(index, record)
 
-    def _speculative(self, rows: Rows, on_iteration: IterationHook | None) -> None:
-        # Invariant between iterations: each cache holds a prefix of every row's committed ids, and the tokens past
-        # it are fed at the next pass, the last of them as the root of the draft trie (its pass returns p at the
-        # block start). The caches start empty: the first iteration reads the prompts in its own passes, as
-        # transformers' assisted generation does, not in passes of their own. Then the target's cache lacks exactly
-        # the last committed token, the drafter's the last one or two (it never feeds the last token it drafts).
-        target, drafter = SlotCache(self.target, len(rows)), SlotCache(self.drafter, len(rows))
-        state = None
-        while rows.going_on():
-            started = time.perf_counter()
-            target_start, drafter_start = target.size, drafter.size
-            tokens, q = self._draft(drafter, rows)
-            after_draft = time.perf_counter()
-            p, first, positions = self._score(target, rows, tokens)
-            after_score = time.perf_counter()
-            dtype = torch.promote_types(p.dtype, q.dtype)
-            q, p = q.to(dtype), p.to(dtype)
-            out = self.verifier(tokens, q, p, generator=rows.generators, state=state)
-            accepted, winner = out.num_accepted.to(tokens.device), out.draft_index.to(tokens.device)
-            # each row emits its winning draft's accepted tokens, then the recovered or bonus token
-            emitted = [path[:n] + [token] for path, n, token in zip(
-                tokens[torch.arange(len(rows)), winner].tolist(), accepted.tolist(), out.next_token.tolist())]
-            if target_start == 0:  # the iteration that read the prompts (the caches start empty): the prefill
-                rows.charge("prefill_time", time.perf_counter() - started)
-            else:
-                rows.charge("verify_time", time.perf_counter() - after_score)
-                rows.charge("draft_time", after_draft - started)
-                rows.charge("target_time", after_score - after_draft)
-            # Keep the winning path: the target has seen the root and every node, the drafter the pending tokens
-            # and the nodes above the last depth. The new token (and, after a full acceptance, the last draft token
-            # for the drafter) is fed next time.
-            target.keep(target_start, on_path(target.label[:, target_start:], first, winner, accepted))
-            drafter.keep(drafter_start, on_path(drafter.label[:, drafter_start:], first, winner,
-                                                accepted.clamp(max=self.block_length - 1)))
-            rows.charge("total_time", time.perf_counter() - started)
-            rows.count_iteration(positions, accepted.tolist(), winner.tolist())
-            if on_iteration is not None:
-                on_iteration(list(rows.active), tokens, q, p, out)
-            state = out.state
-            going = rows.emit(emitted)
-            if not rows:
-                return
-            if going is not None:
-                target.select_rows(going.to(target.lengths.device))
-                drafter.select_rows(going.to(drafter.lengths.device))
-                state = select_state_rows(state, going.to(tokens.device))
-            target.compact()
-            drafter.compact()
+        decoder = self.decoder(slots or len(prompts), max_new_tokens, finish, should_stop, on_iteration)
+        for prompt, generator in zip(prompts, generators):
+            decoder.add(prompt, generator)
+        decoder.run()
+        return records
+
+    def decoder(self, slots: int, max_new_tokens: int, on_finish: Callable[[int, DecodeRecord], None] | None = None,
+                should_stop: Callable[[], bool] | None = None,
+                on_iteration: IterationHook | None = None) -> "Decoder":
+        """A decode that prompts join as others finish, at most `slots` at a time (Decoder)."""
+        return Decoder(self, slots, max_new_tokens, on_finish, should_stop, on_iteration)
 
     def _draft(self, cache: SlotCache, rows: Rows) -> tuple[Tensor, Tensor]:
         """K i.i.d. blocks of L tokens per row [B, K, L] and the warped q each token was sampled from [B, K, L, V].
@@ -317,6 +269,135 @@ class SpeculativeEngine:
         return warp(logits, self.sampling.drafter_temperature, self.sampling.top_k, self.sampling.top_p)
 
 
+class Decoder:
+    """Continuous batching: prompts wait in a queue and at most `slots` of them decode at once, as the rows of one
+    batch; at the start of every iteration waiting prompts take the rows of those that finished, and that
+    iteration's passes read their prompts, as the first iteration reads every prompt of a batch that starts
+    together. A prompt's tokens do not depend on when it joined or beside whom it decoded (docs/algorithms.md §11,
+    item 9). Prompts are indexed 0, 1, ... in the order they are added; on_finish(index, record) as each one ends,
+    on_iteration and should_stop as in generate_batch. Rows outlive run(): a caller may add prompts and run in turns,
+    as the Lightning module does, step by step."""
+
+    def __init__(self, engine: SpeculativeEngine, slots: int, max_new_tokens: int,
+                 on_finish: Callable[[int, DecodeRecord], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, on_iteration: IterationHook | None = None):
+        check_settings(engine.verifier_name, engine.num_drafts, engine.block_length, max_new_tokens)
+        if not (isinstance(slots, int) and slots >= 1):
+            raise ValueError(f"slots={slots!r}: must be an int >= 1")
+        self.engine, self.slots = engine, slots
+        self.should_stop, self.on_iteration = should_stop, on_iteration
+        self.rows = Rows(max_new_tokens, engine.eos_ids, on_finish)
+        self.waiting: deque[tuple[int, list[int], torch.Generator]] = deque()
+        self.added = 0
+        self._start_empty()
+
+    def add(self, prompt_ids: list[int], generator: torch.Generator) -> int:
+        """Queue a prompt (it decodes with `generator` alone); returns its index."""
+        if len(prompt_ids) == 0:
+            raise ValueError("prompts must be non-empty token id lists")
+        self.waiting.append((self.added, list(prompt_ids), generator))
+        self.added += 1
+        return self.added - 1
+
+    @torch.inference_mode()
+    def run(self, until_admitted: bool = False) -> None:
+        """Iterate until every prompt added has finished, or with until_admitted until none is waiting for a row
+        (rows still decoding go on at the next run). Raises Stopped before an iteration when should_stop() holds:
+        the prompts finished so far were reported."""
+        while self.waiting or (self.rows and not until_admitted):
+            if self.should_stop is not None and self.should_stop():
+                raise Stopped(f"stopped with {len(self.rows) + len(self.waiting)} prompts unfinished")
+            self._admit()
+            if self.engine.verifier is None:
+                self._autoregressive()
+            else:
+                self._speculative()
+
+    def _start_empty(self) -> None:
+        """Empty caches and no verifier state: no row left, or none yet."""
+        self.target = SlotCache(self.engine.target, 0)
+        self.drafter = None if self.engine.verifier is None else SlotCache(self.engine.drafter, 0)
+        self.state = None
+
+    def _caches(self) -> list[SlotCache]:
+        return [cache for cache in (self.target, self.drafter) if cache is not None]
+
+    def _admit(self) -> None:
+        """Waiting prompts take the free rows: empty rows in both caches (the next pass reads their prompts) and
+        fresh rows of the verifier's state."""
+        count = min(self.slots - len(self.rows), len(self.waiting))
+        for _ in range(count):
+            self.rows.add(*self.waiting.popleft())
+        if count:
+            for cache in self._caches():
+                cache.add_rows(count)
+            self.state = add_state_rows(self.state, count)
+
+    def _leave(self, going: Tensor | None) -> None:
+        """After emit: the caches and the state keep the rows that go on (going; None: all of them)."""
+        if not self.rows:
+            self._start_empty()
+            return
+        for cache in self._caches():
+            if going is not None:
+                cache.select_rows(going.to(cache.lengths.device))
+            cache.compact()
+        if going is not None:
+            self.state = select_state_rows(self.state, going)
+
+    def _autoregressive(self) -> None:
+        rows = self.rows
+        started = time.perf_counter()
+        fresh = rows.fresh()  # their call reads the prompt: the prefill
+        tokens = sample(self.engine._target_warp(self.target.append(rows.ids)), rows.generators).tolist()
+        seconds = time.perf_counter() - started
+        rows.charge("prefill_time", seconds, fresh)
+        rows.charge("target_time", seconds, [not first for first in fresh])
+        rows.charge("total_time", seconds)
+        rows.count_iteration([0 if first else 1 for first in fresh])
+        self._leave(rows.emit([[token] for token in tokens]))
+
+    def _speculative(self) -> None:
+        # Invariant between iterations: each cache holds a prefix of every row's committed ids, and the tokens past
+        # it are fed at the next pass, the last of them as the root of the draft trie (its pass returns p at the
+        # block start). A row joins with no slot of its own: its first iteration reads its prompt in that
+        # iteration's passes, as transformers' assisted generation does, not in passes of its own. Then the
+        # target's cache lacks exactly the last committed token, the drafter's the last one or two (it never feeds
+        # the last token it drafts).
+        engine, rows, target, drafter = self.engine, self.rows, self.target, self.drafter
+        started = time.perf_counter()
+        fresh = rows.fresh()  # their iteration reads the prompt: the prefill
+        target_start, drafter_start = target.size, drafter.size
+        tokens, q = engine._draft(drafter, rows)
+        after_draft = time.perf_counter()
+        p, first, positions = engine._score(target, rows, tokens)
+        after_score = time.perf_counter()
+        dtype = torch.promote_types(p.dtype, q.dtype)
+        q, p = q.to(dtype), p.to(dtype)
+        out = engine.verifier(tokens, q, p, generator=rows.generators, state=self.state)
+        accepted, winner = out.num_accepted.to(tokens.device), out.draft_index.to(tokens.device)
+        # each row emits its winning draft's accepted tokens, then the recovered or bonus token
+        emitted = [path[:n] + [token] for path, n, token in zip(
+            tokens[torch.arange(len(rows)), winner].tolist(), accepted.tolist(), out.next_token.tolist())]
+        later = [not first_iteration for first_iteration in fresh]
+        rows.charge("prefill_time", time.perf_counter() - started, fresh)
+        rows.charge("verify_time", time.perf_counter() - after_score, later)
+        rows.charge("draft_time", after_draft - started, later)
+        rows.charge("target_time", after_score - after_draft, later)
+        # Keep the winning path: the target has seen the root and every node, the drafter the pending tokens
+        # and the nodes above the last depth. The new token (and, after a full acceptance, the last draft token
+        # for the drafter) is fed next time.
+        target.keep(target_start, on_path(target.label[:, target_start:], first, winner, accepted))
+        drafter.keep(drafter_start, on_path(drafter.label[:, drafter_start:], first, winner,
+                                            accepted.clamp(max=engine.block_length - 1)))
+        rows.charge("total_time", time.perf_counter() - started)
+        rows.count_iteration(positions, accepted.tolist(), winner.tolist())
+        if self.on_iteration is not None:
+            self.on_iteration(list(rows.indices), tokens, q, p, out)
+        self.state = out.state
+        self._leave(rows.emit(emitted))
+
+
 def padded(q: Tensor, drafting: Tensor) -> Tensor:
     """q [B, K, V] where drafting [B, K] holds, elsewhere the one-hot of PAD_TOKEN."""
     if bool(drafting.all()):
@@ -330,7 +411,19 @@ def select_state_rows(state, rows: Tensor):
     """A verifier's state (a dataclass of per-row tensors, or None) for the rows that go on."""
     if state is None:
         return None
-    return dataclasses.replace(state, **{f.name: getattr(state, f.name)[rows] for f in dataclasses.fields(state)})
+    return dataclasses.replace(state, **{f.name: getattr(state, f.name)[rows.to(getattr(state, f.name).device)]
+                                         for f in dataclasses.fields(state)})
+
+
+def add_state_rows(state, count: int):
+    """A verifier's state (a dataclass of per-row tensors, or None) with `count` fresh rows after its rows: rows of
+    zeros, a fresh row's state by the verifiers' contract (docs/custom_verifiers.md, State; `gbv`: levels that
+    have expired). None stays None: then no row has any state."""
+    if state is None:
+        return None
+    return dataclasses.replace(state, **{f.name: torch.cat([value, value.new_zeros(count, *value.shape[1:])])
+                                         for f in dataclasses.fields(state)
+                                         for value in [getattr(state, f.name)]})
 
 
 def eos_ids(loaded: LoadedModel) -> set[int]:

@@ -17,6 +17,7 @@ carry neither the drafts' noise nor the texts' divergence that separate end-to-e
 import hashlib
 import time
 import zlib
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -57,9 +58,9 @@ class Arena:
         self.num_drafts, self.replicas, self.seed = num_drafts, replicas, seed
         self.contexts: dict[tuple[str, int], list[dict]] = {}
 
-    def watch(self, prompts: list[dict]) -> IterationHook:
-        """The engine's on_iteration for a batch of prompt records: scores each row's context, keeps it under its
-        prompt."""
+    def watch(self, prompts: Mapping[int, dict] | list[dict]) -> IterationHook:
+        """The engine's on_iteration for prompt records by the engine's prompt indices (a list, or a dict its owner
+        fills as prompts join the decode): scores each row's context, keeps it under its prompt."""
         def on_iteration(indices: list[int], tokens: Tensor, q: Tensor, p: Tensor, out) -> None:
             keys = [(prompts[i]["dataset"], prompts[i]["prompt_id"]) for i in indices]
             iterations = [len(self.contexts.setdefault(key, [])) for key in keys]
@@ -132,7 +133,7 @@ class ArenaEvaluation(SpeculativeEvaluation):
         # an evaluation's records of this folder have no contexts: those prompts are decoded again
         self.recorded = {key: record for key, record in self.recorded.items() if "arena" in record}
 
-    def iteration_hook(self, prompts: list[dict]) -> IterationHook:
+    def iteration_hook(self, prompts: dict[int, dict]) -> IterationHook:
         return self.arena.watch(prompts)
 
     def extra_fields(self, prompt: dict) -> dict:

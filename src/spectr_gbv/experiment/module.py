@@ -1,5 +1,7 @@
-"""The evaluation as a LightningModule: its test loop decodes each batch of prompts with the engine, appends each
-prompt's record as it finishes (records.py), counts it, and at the end reduces the counts over ranks into the
+"""The evaluation as a LightningModule: each test step queues its batch's prompts not recorded yet to the engine's
+decoder and decodes until each of them holds a row; rows outlive a step (continuous batching: a prompt takes the row
+of one that finished at the next iteration, so passes stay full). Each record is appended as its prompt finishes
+(records.py) and counted; the end of the epoch decodes the rows left, then reduces the counts over ranks into the
 aggregates (metrics.py), summary.json and the loggers.
 
 Built from the `module` node of conf/config.yaml; its arguments are the job's settings, saved as hyperparameters, so
@@ -8,6 +10,7 @@ job.json and summary.json hold exactly what the module was given.
 import dataclasses
 import os
 import zlib
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -67,42 +70,63 @@ class SpeculativeEvaluation(LightningModule):
         self.counts = torch.zeros(len(self.names), len(COUNTERS), dtype=torch.float64, device=self.device)
         self.histogram = torch.zeros(len(self.names), self.knobs.block_length + 1, dtype=torch.float64,
                                      device=self.device)
+        # Continuous batching: the decoders' rows outlive a step, so a prompt takes the row of one that finished at
+        # the next iteration instead of waiting for its whole batch to end. With baseline=true, `ar` decodes the same
+        # prompts with the same seeds and the same slots, refilled alike, and a record is written once both parts are
+        # done: the speedup then compares speculation with plain decoding under the same batching.
+        self.decoding: dict[int, dict] = {}  # the prompts queued or decoding, by their index in the decoders
+        self.parts: dict[int, dict[str, DecodeRecord]] = {}  # the parts finished so far of those prompts
+        slots, max_new_tokens = self.knobs.batch_size, self.knobs.max_new_tokens
+        self.decoders = {"decode": self.engine.decoder(slots, max_new_tokens, partial(self.finish, "decode"),
+                                                       self.stop_requested, self.iteration_hook(self.decoding))}
+        if self.ar_engine is not None:
+            self.decoders["baseline"] = self.ar_engine.decoder(slots, max_new_tokens, partial(self.finish, "baseline"),
+                                                               self.stop_requested)
 
-    # ---- the loop: decode the batch's prompts not recorded yet together, record each as it ends, count all -----
+    # ---- the loop: queue the batch's prompts not recorded yet, decode until each holds a row, record each as it ends
     def test_step(self, batch: list[dict], batch_idx: int) -> None:
-        todo = [prompt for prompt in batch if (prompt["dataset"], prompt["prompt_id"]) not in self.recorded]
-        if todo:
-            try:
-                self.decode(todo)
-            except Stopped as stopped:  # every finished prompt is recorded; the rest are decoded again on resume
-                raise SIGTERMException() from stopped
         for prompt in batch:
-            self.count(self.recorded[(prompt["dataset"], prompt["prompt_id"])])
+            record = self.recorded.get((prompt["dataset"], prompt["prompt_id"]))
+            if record is not None:
+                self.count(record)
+            else:
+                self.queue(prompt)
+        self.decode(until_admitted=True)  # rows of earlier steps decode beside the new ones, and go on next step
 
-    def decode(self, prompts: list[dict]) -> None:
-        """Decode the prompts as one batch; each record is appended to the predictions file as its prompt ends."""
-        prompt_ids = [self.target.encode_prompt(prompt["prompt"]) for prompt in prompts]
-        max_new_tokens = self.knobs.max_new_tokens
-        baseline = None
-        if self.ar_engine is not None:  # same prompts, same seeds, same batch: the speedup compares like with like
-            baseline = self.ar_engine.generate_batch(prompt_ids, max_new_tokens, self.generators(prompts),
-                                                     should_stop=self.stop_requested)
+    def queue(self, prompt: dict) -> None:
+        prompt_ids = self.target.encode_prompt(prompt["prompt"])
+        for decoder in self.decoders.values():  # the same index in each: they are given the same prompts in order
+            index = decoder.add(prompt_ids, self.generator(prompt))
+        self.decoding[index] = prompt
 
-        def write(index: int, out: DecodeRecord) -> None:
-            prompt = prompts[index]
-            record = {**prompt, "output": self.target.tokenizer.decode(out.output_ids, skip_special_tokens=True),
-                      **record_fields(out), "machine": self.machine, **self.extra_fields(prompt)}
-            if baseline is not None:
-                record["baseline"] = {"new_tokens": baseline[index].new_tokens,
-                                      "total_time": baseline[index].total_time}
-            records.append_record(self.predictions, record)
-            self.recorded[(prompt["dataset"], prompt["prompt_id"])] = record
+    def decode(self, until_admitted: bool) -> None:
+        try:
+            for decoder in self.decoders.values():
+                decoder.run(until_admitted)
+        except Stopped as stopped:  # every finished prompt is recorded; the rest are decoded again on resume
+            raise SIGTERMException() from stopped
 
-        self.engine.generate_batch(prompt_ids, max_new_tokens, self.generators(prompts), on_finish=write,
-                                   should_stop=self.stop_requested, on_iteration=self.iteration_hook(prompts))
+    def finish(self, part: str, index: int, out: DecodeRecord) -> None:
+        """A decoder's on_finish: prompt `index`'s part is done; once all its parts are, its record is written."""
+        parts = self.parts.setdefault(index, {})
+        parts[part] = out
+        if len(parts) == len(self.decoders):
+            del self.parts[index]
+            self.write(self.decoding.pop(index), parts["decode"], parts.get("baseline"))
 
-    def iteration_hook(self, prompts: list[dict]) -> IterationHook | None:
-        """What watches each verification of these prompts (the verifier arena's, experiment/arena.py); none here."""
+    def write(self, prompt: dict, out: DecodeRecord, baseline: DecodeRecord | None) -> None:
+        """Append the prompt's record to the predictions file and count it."""
+        record = {**prompt, "output": self.target.tokenizer.decode(out.output_ids, skip_special_tokens=True),
+                  **record_fields(out), "machine": self.machine, **self.extra_fields(prompt)}
+        if baseline is not None:
+            record["baseline"] = {"new_tokens": baseline.new_tokens, "total_time": baseline.total_time}
+        records.append_record(self.predictions, record)
+        self.recorded[(prompt["dataset"], prompt["prompt_id"])] = record
+        self.count(record)
+
+    def iteration_hook(self, prompts: dict[int, dict]) -> IterationHook | None:
+        """What watches each verification (the verifier arena's, experiment/arena.py); none here. prompts: those
+        decoding, by the index the hook is given, filled as prompts join."""
         return None
 
     def extra_fields(self, prompt: dict) -> dict:
@@ -114,11 +138,11 @@ class SpeculativeEvaluation(LightningModule):
         minutes: the engine checks the flag between iterations instead."""
         return self.trainer.received_sigterm
 
-    def generators(self, prompts: list[dict]) -> list[torch.Generator]:
-        """One generator per prompt, seeded by (seed, dataset, prompt id): outputs depend neither on how prompts
-        are sharded over ranks nor on which prompts share a batch."""
-        keys = [f"{self.knobs.seed}/{prompt['dataset']}/{prompt['prompt_id']}".encode() for prompt in prompts]
-        return [torch.Generator(device=self.target.model.device).manual_seed(zlib.crc32(key)) for key in keys]
+    def generator(self, prompt: dict) -> torch.Generator:
+        """The prompt's generator, seeded by (seed, dataset, prompt id): outputs depend neither on how prompts are
+        sharded over ranks nor on which prompts share a pass."""
+        key = f"{self.knobs.seed}/{prompt['dataset']}/{prompt['prompt_id']}".encode()
+        return torch.Generator(device=self.target.model.device).manual_seed(zlib.crc32(key))
 
     def count(self, record: dict) -> None:
         row = self.names.index(record["dataset"])
@@ -128,6 +152,7 @@ class SpeculativeEvaluation(LightningModule):
 
     # ---- the end: reduce over ranks, summarise, write, log --------------------------------------------------
     def on_test_epoch_end(self) -> None:
+        self.decode(until_admitted=False)  # the rows still decoding: every prompt is counted before the reduce
         # Ranks may have decoded different numbers of prompts; these all-reduces are the only collectives.
         counts = self.trainer.strategy.reduce(self.counts, reduce_op="sum").cpu().tolist()
         histogram = self.trainer.strategy.reduce(self.histogram, reduce_op="sum").cpu().tolist()

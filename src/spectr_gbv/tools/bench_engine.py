@@ -6,9 +6,11 @@ models), after one line naming the machine (CPU, its bf16 matrix units, threads,
     transformers' assisted generation (same drafter, L drafted tokens per call) vs `token` with K = 1;
   - sampling (T = 1): `ar` and `gbv` K = 1..max_drafts, each against the cost-model limit of its speedup
     (decoding/costs.py), with the bare passes in one row over a KV cache holding the first prompt, timed in this run;
-  - batch throughput: `gbv` K = 3 at T = 1 on N prompts decoded B at a time, B = 1, 2, 4, 8 (those <= N), each
-    against the ratio to B = 1 that bare passes over the rows each pass held allow, and against `ar` at the same B;
-    every B runs twice, there and back.
+  - batch throughput: `gbv` K = 3 at T = 1 on N prompts (16 by default), at most B per pass, B = 1, 2, 4, 8 (those
+    <= N), before and after continuous batching: "chunks" decodes B prompts at a time (rows leave as they finish, so
+    the pass empties), "refill" decodes all N with B slots (a waiting prompt takes a finished row's place). Each
+    against the ratio to B = 1 that bare passes over the rows each pass held allow, and against `ar` at the same B
+    and mode; every B and mode runs twice, there and back.
 Speedups are ratios to `ar` at the same temperature, measured in this run. Methods run prompt by prompt, in turn, so
 noise from other processes hits all alike. Prompt i always draws from a generator seeded i. Every method's forward
 passes of each model are counted and timed by forward hooks, the same clock for the engine and transformers: their
@@ -48,6 +50,12 @@ PROMPTS = [
     "Give three tips for writing readable code.",
     "Write a Python class for a stack with push, pop and peek.",
     "What does the HTTP status code 404 mean?",
+    "Write a Python function that merges two sorted lists.",
+    "Explain recursion to a beginner in three sentences.",
+    "Write a regular expression that matches an email address, and explain it.",
+    "What are the advantages of unit tests?",
+    "Write a C function that returns the length of a string.",
+    "Summarise what git rebase does.",
 ]
 BATCH_DRAFTS = 3  # K of the batch part: several drafts, so each row's trie is a real tree
 BATCH_SIZES = (1, 2, 4, 8)
@@ -229,15 +237,21 @@ def limit(costs: BareCosts, row: Row, block_length: int) -> float:
 
 # --- batch throughput ----------------------------------------------------------------------------------------------
 
+MODES = ("chunks", "refill")  # generate_batch on B prompts at a time (rows leave, the pass empties), or one decode
+# over all prompts with slots=B (a waiting prompt takes a finished row's place: continuous batching)
+
+
 @dataclass
 class BatchRun(Totals):
+    mode: str
     batch_size: int
-    chunks: list[list[DecodeRecord]]  # the records of each generate_batch call
+    records: list[DecodeRecord]
+    rows: list[int]  # the rows of every target pass (gbv runs: counted by the engine's iteration hook)
     wall: float
 
-    @property
-    def records(self) -> list[DecodeRecord]:
-        return [record for chunk in self.chunks for record in chunk]
+    def count_pass(self, indices: list[int], *_) -> None:
+        """The engine's on_iteration: one target pass over these rows."""
+        self.rows.append(len(indices))
 
     @property
     def tokens_per_second(self) -> float:
@@ -248,42 +262,38 @@ class BatchRun(Totals):
         """Tokens/s after the prefills (each prompt's first iteration and the tokens it emits)."""
         return self.decode_tokens / (self.wall - self.total("prefill_time"))
 
-    def rows_per_pass(self) -> list[int]:
-        """The rows of every target pass: a call's rows start together and each leaves after its last iteration,
-        so pass j of a call holds the rows with at least j iterations."""
-        return [sum(record.target_calls >= j for record in chunk)
-                for chunk in self.chunks for j in range(1, max(record.target_calls for record in chunk) + 1)]
-
     def bare_tokens_per_second(self, costs: BareCosts, block_length: int) -> float:
         """Tokens/s if every pass cost only its bare forwards over the rows it held (at the run's mean trie size)."""
-        seconds = sum(costs.iteration(self.trie_positions, BATCH_DRAFTS, block_length, rows)
-                      for rows in self.rows_per_pass())
+        seconds = sum(costs.iteration(self.trie_positions, BATCH_DRAFTS, block_length, rows) for rows in self.rows)
         return self.total("new_tokens") / seconds
 
 
 def batch_throughput(target, drafter, prompts, max_new_tokens, block_length,
                      console) -> tuple[list[BatchRun], list[BatchRun]]:
-    """All prompts through generate_batch in chunks of B, with `gbv` K=3 and with `ar` (does speculation still pay
-    when batching alone fills the passes?), prompt i always with the generator seeded i: the same draws at every B, so
-    outputs differ across B only by rounding (padding changes the shapes of the matmuls). Each B runs twice, in the
-    order 1, 2, 4, 8, 8, 4, 2, 1, the two methods in turn: a steady drift of the machine's speed over the part then
-    weighs on every B and method alike (B = 1 alone takes minutes, and its speed moved by a third between runs on one
-    machine). Returns the gbv runs and the ar runs, by B."""
+    """All prompts at B = 1, 2, 4, 8 (those <= N) in each mode, with `gbv` K=3 and with `ar` (does speculation still
+    pay when batching alone fills the passes?), prompt i always with the generator seeded i: the same draws at every
+    B and in both modes, so outputs differ only by rounding (padding changes the shapes of the matmuls). B = 1 runs
+    in chunks only: refilling one slot is the same decode. Each (B, mode) runs twice, in the order there and back
+    (1, 2 chunks, 2 refill, ..., 8 refill, 8 refill, 8 chunks, ..., 1), the two methods in turn: a steady drift of
+    the machine's speed over the part then weighs on every B, mode and method alike (B = 1 alone takes minutes, and
+    its speed moved by a third between runs on one machine). Returns the gbv runs and the ar runs, in that order."""
     engines = {"gbv": SpeculativeEngine(target, drafter, "gbv", BATCH_DRAFTS, block_length, Sampling(1.0)),
                "ar": SpeculativeEngine(target, None, "ar", sampling=Sampling(1.0))}
-    sizes = [B for B in BATCH_SIZES if B <= len(prompts)]
-    runs = {(name, B): BatchRun(B, [], 0.0) for name in engines for B in sizes}
-    for B in sizes + sizes[::-1]:
+    settings = [(mode, B) for B in BATCH_SIZES if B <= len(prompts) for mode in MODES if B > 1 or mode == "chunks"]
+    runs = {(name, *setting): BatchRun(*setting, [], [], 0.0) for name in engines for setting in settings}
+    for mode, B in settings + settings[::-1]:
         for name, engine in engines.items():
-            run = runs[name, B]
+            run = runs[name, mode, B]
+            chunk_size = B if mode == "chunks" else len(prompts)
             start = time.perf_counter()
-            for first in range(0, len(prompts), B):
-                chunk = range(first, min(first + B, len(prompts)))
-                run.chunks.append(engine.generate_batch([prompts[i] for i in chunk], max_new_tokens,
-                                                        [torch.Generator().manual_seed(i) for i in chunk]))
+            for first in range(0, len(prompts), chunk_size):
+                chunk = range(first, min(first + chunk_size, len(prompts)))
+                run.records += engine.generate_batch([prompts[i] for i in chunk], max_new_tokens,
+                                                     [torch.Generator().manual_seed(i) for i in chunk],
+                                                     on_iteration=run.count_pass, slots=B)
             run.wall += time.perf_counter() - start
-            console.log(f"batch B={B}, {name}: {run.tokens_per_second:.2f} tokens/s so far")
-    return [runs["gbv", B] for B in sizes], [runs["ar", B] for B in sizes]
+            console.log(f"batch B={B} {mode}, {name}: {run.tokens_per_second:.2f} tokens/s so far")
+    return [runs["gbv", *setting] for setting in settings], [runs["ar", *setting] for setting in settings]
 
 
 # --- tables --------------------------------------------------------------------------------------------------------
@@ -364,26 +374,29 @@ def report_costs(rows: list[Row], costs: BareCosts, block_length: int, context_l
 def report_batch(runs: list[BatchRun], ar_runs: list[BatchRun], costs: BareCosts, block_length: int, title: str,
                  console: Console) -> None:
     base = runs[0]
-    table = new_table(f"Batch throughput: gbv K={BATCH_DRAFTS} at T=1, B prompts per generate_batch call\n{title}",
-                      ["B", "tokens", "wall s", "tok/s", "vs B=1", "after prefill", "limit", "share", "rows/pass",
-                       "block eff.", "draft %", "target %", "verify %", "ar tok/s", "vs ar", "same tokens as B=1"])
+    table = new_table(f"Batch throughput: gbv K={BATCH_DRAFTS} at T=1, at most B prompts per pass, in chunks of B "
+                      f"(rows leave as they finish) or refilled (a waiting prompt takes a finished row's place)\n"
+                      f"{title}",
+                      ["mode", "B", "tokens", "wall s", "tok/s", "vs B=1", "after prefill", "limit", "share",
+                       "rows/pass", "block eff.", "draft %", "target %", "verify %", "ar tok/s", "vs ar",
+                       "same tokens as B=1"])
     base_bare = base.bare_tokens_per_second(costs, block_length)
     for run, ar in zip(runs, ar_runs):
         after_prefill = run.decode_tokens_per_second / base.decode_tokens_per_second
         limit = run.bare_tokens_per_second(costs, block_length) / base_bare
-        rows = run.rows_per_pass()
-        table.add_row(str(run.batch_size), str(int(run.total("new_tokens"))), f"{run.wall:.2f}",
+        table.add_row(run.mode, str(run.batch_size), str(int(run.total("new_tokens"))), f"{run.wall:.2f}",
                       f"{run.tokens_per_second:.2f}", f"{run.tokens_per_second / base.tokens_per_second:.2f}x",
                       f"{after_prefill:.2f}x", f"{limit:.2f}x", f"{after_prefill / limit:.0%}",
-                      f"{sum(rows) / len(rows):.1f}", f"{run.block_efficiency:.2f}",
+                      f"{sum(run.rows) / len(run.rows):.1f}", f"{run.block_efficiency:.2f}",
                       *[f"{run.total(key) / run.wall:.0%}" for key in ("draft_time", "target_time", "verify_time")],
                       f"{ar.tokens_per_second:.2f}", f"{run.tokens_per_second / ar.tokens_per_second:.2f}x",
                       yes(same_outputs(run.records, base.records)))
     console.print(table)
     console.print("vs B=1 and after prefill: tokens/s over B=1's, with and without the prefills. Limit: the same ratio "
-                  "if every pass cost only its bare forwards over the rows it held (rows leave as they finish; "
-                  "rows/pass is their mean). Share: after prefill / limit. ar tok/s: `ar` at the same B on the same "
-                  "prompts, in turn with gbv; vs ar: gbv's tokens/s over it.")
+                  "if every pass cost only its bare forwards over the rows it held (rows/pass is their mean: in chunks "
+                  "a pass empties as rows finish, refilled it stays at B until the last prompts). Share: after "
+                  "prefill / limit. ar tok/s: `ar` at the same B and mode on the same prompts, in turn with gbv; vs "
+                  "ar: gbv's tokens/s over it.")
 
 
 # --- command line --------------------------------------------------------------------------------------------------
@@ -397,8 +410,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "can be faster")
     parser.add_argument("--prompts", type=int, default=2, choices=range(1, len(PROMPTS) + 1),
                         help="prompts of the greedy and sampling parts")
-    parser.add_argument("--batch-prompts", type=int, default=8, choices=range(1, len(PROMPTS) + 1),
-                        help="prompts N of the batch part")
+    parser.add_argument("--batch-prompts", type=int, default=16, choices=range(1, len(PROMPTS) + 1),
+                        help="prompts N of the batch part (more than B, so that refill has prompts to admit)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--block-length", type=int, default=4)
     parser.add_argument("--max-drafts", type=int, default=4)
@@ -458,7 +471,8 @@ def main(argv: list[str] | None = None) -> None:
     report_sampling(rows[4:], costs, L, title, console)
     report_costs(rows[4:], costs, L, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
     report_batch(runs, ar_runs, costs, L,
-                 f"{pair}, {len(batch_prompts)} prompts x {n} new tokens, twice at each B\n{about}", console)
+                 f"{pair}, {len(batch_prompts)} prompts x {n} new tokens, twice at each B and mode\n{about}",
+                 console)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ class VerifierOutput:
     num_accepted: Tensor  # int64 [B], 0..L: how many draft tokens were accepted
     draft_index: Tensor  # int64 [B], 0..K-1: the draft they come from
     next_token: Tensor  # int64 [B]: the recovered token after a rejection, or the bonus token when all L were accepted
-    state: Any = None  # thread into the next call for the same rows (None for verifiers that keep none)
+    # thread into the next call for the same rows (None for verifiers that keep none): a dataclass of per-row
+    # tensors, an all-zero row being a fresh row's (the engine adds joining prompts' rows so)
+    state: Any = None
 
 
 class Verifier:
