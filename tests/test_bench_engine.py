@@ -65,9 +65,19 @@ def test_other_linear_layers_are_named_with_the_machine(flag, named, capsys, res
 @pytest.mark.parametrize("flag", [["--max-new-tokens", "0"], ["--block-length", "-1"], ["--repeats", "0"],
                                   ["--dtype", "int4"], ["--batch-prompts", "0"], ["--prompts", "99"],
                                   ["--dtype", "bfloat16", "--linear-kernel", "onednn"],
-                                  ["--drafter-dtype", "float64", "--drafter-quantize", "int8"]])
+                                  ["--drafter-dtype", "float64", "--drafter-quantize", "int8"],
+                                  ["--batch-sizes", "2", "4"], ["--batch-sizes", "1", "0"]])
 def test_bad_flag_values_exit_nonzero(flag, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--tiny", *flag])
     assert exit_.value.code != 0
     assert "error" in capsys.readouterr().err
+
+
+def test_batch_only_prints_the_batch_part_alone(capsys, restore_threads):
+    main(["--tiny", "--batch-only", "--batch-sizes", "1", "2", "--batch-prompts", "3", "--max-new-tokens", "4",
+          "--block-length", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "Batch throughput" in out and "Greedy (T=0)" not in out and "Sampling (T=1)" not in out
+    assert [(row["mode"], row["B"]) for row in table_rows(out[out.index("Batch throughput"):])] == [
+        ("chunks", "1"), ("chunks", "2"), ("refill", "2")]

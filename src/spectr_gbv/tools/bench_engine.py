@@ -268,9 +268,9 @@ class BatchRun(Totals):
         return self.total("new_tokens") / seconds
 
 
-def batch_throughput(target, drafter, prompts, max_new_tokens, block_length,
+def batch_throughput(target, drafter, prompts, max_new_tokens, block_length, batch_sizes,
                      console) -> tuple[list[BatchRun], list[BatchRun]]:
-    """All prompts at B = 1, 2, 4, 8 (those <= N) in each mode, with `gbv` K=3 and with `ar` (does speculation still
+    """All prompts at each B of batch_sizes (1 first: every ratio is to it; those <= N) in each mode, with `gbv` K=3 and with `ar` (does speculation still
     pay when batching alone fills the passes?), prompt i always with the generator seeded i: the same draws at every
     B and in both modes, so outputs differ only by rounding (padding changes the shapes of the matmuls). B = 1 runs
     in chunks only: refilling one slot is the same decode. Each (B, mode) runs twice, in the order there and back
@@ -279,7 +279,7 @@ def batch_throughput(target, drafter, prompts, max_new_tokens, block_length,
     its speed moved by a third between runs on one machine). Returns the gbv runs and the ar runs, in that order."""
     engines = {"gbv": SpeculativeEngine(target, drafter, "gbv", BATCH_DRAFTS, block_length, Sampling(1.0)),
                "ar": SpeculativeEngine(target, None, "ar", sampling=Sampling(1.0))}
-    settings = [(mode, B) for B in BATCH_SIZES if B <= len(prompts) for mode in MODES if B > 1 or mode == "chunks"]
+    settings = [(mode, B) for B in batch_sizes if B <= len(prompts) for mode in MODES if B > 1 or mode == "chunks"]
     runs = {(name, *setting): BatchRun(*setting, [], [], 0.0) for name in engines for setting in settings}
     for mode, B in settings + settings[::-1]:
         for name, engine in engines.items():
@@ -412,6 +412,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="prompts of the greedy and sampling parts")
     parser.add_argument("--batch-prompts", type=int, default=16, choices=range(1, len(PROMPTS) + 1),
                         help="prompts N of the batch part (more than B, so that refill has prompts to admit)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES),
+                        help="B of the batch part, 1 first (every ratio is to B = 1)")
+    parser.add_argument("--batch-only", action="store_true",
+                        help="only the batch part (with the bare passes its limits need)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--block-length", type=int, default=4)
     parser.add_argument("--max-drafts", type=int, default=4)
@@ -429,6 +433,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key in ("max_new_tokens", "block_length", "max_drafts", "repeats"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')}={getattr(args, key)} is not allowed: must be >= 1")
+    if args.batch_sizes[0] != 1 or min(args.batch_sizes) < 1:
+        parser.error(f"--batch-sizes={' '.join(map(str, args.batch_sizes))} is not allowed: 1 first, each >= 1")
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     for key, settings in zip(("model.", "drafter."), pair_settings(args)):  # run.py's keys name the models
         try:
@@ -462,14 +468,15 @@ def main(argv: list[str] | None = None) -> None:
     transformers_method(target, 2, drafter, L)(prompts[0], 0)
 
     costs = BareCosts(target, drafter, prompts[0], args.repeats)
-    rows = benchmark(target, drafter, prompts, n, L, args.max_drafts, console)
-    runs, ar_runs = batch_throughput(target, drafter, batch_prompts, n, L, console)
+    rows = [] if args.batch_only else benchmark(target, drafter, prompts, n, L, args.max_drafts, console)
+    runs, ar_runs = batch_throughput(target, drafter, batch_prompts, n, L, args.batch_sizes, console)
 
     pair = f"{target.name} <- {drafter.name}"
     title = f"{pair}, {len(prompts)} prompts x {n} new tokens\n{about}"
-    report_greedy(rows[:4], title, console)
-    report_sampling(rows[4:], costs, L, title, console)
-    report_costs(rows[4:], costs, L, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
+    if rows:
+        report_greedy(rows[:4], title, console)
+        report_sampling(rows[4:], costs, L, title, console)
+        report_costs(rows[4:], costs, L, len(prompts[0]), args.repeats, f"{pair}\n{about}", console)
     report_batch(runs, ar_runs, costs, L,
                  f"{pair}, {len(batch_prompts)} prompts x {n} new tokens, twice at each B and mode\n{about}",
                  console)
