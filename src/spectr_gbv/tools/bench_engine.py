@@ -270,8 +270,8 @@ class BatchRun(Totals):
 
 def batch_throughput(target, drafter, prompts, max_new_tokens, block_length, batch_sizes,
                      console) -> tuple[list[BatchRun], list[BatchRun]]:
-    """All prompts at each B of batch_sizes (1 first: every ratio is to it; those <= N) in each mode, with `gbv` K=3 and with `ar` (does speculation still
-    pay when batching alone fills the passes?), prompt i always with the generator seeded i: the same draws at every
+    """All prompts at each B of batch_sizes (1 first: every ratio is to it; those <= N) in each mode, with `gbv`
+    K=3 and with `ar` (does speculation still pay when batching alone fills the passes?), prompt i always with the generator seeded i: the same draws at every
     B and in both modes, so outputs differ only by rounding (padding changes the shapes of the matmuls). B = 1 runs
     in chunks only: refilling one slot is the same decode. Each (B, mode) runs twice, in the order there and back
     (1, 2 chunks, 2 refill, ..., 8 refill, 8 refill, 8 chunks, ..., 1), the two methods in turn: a steady drift of

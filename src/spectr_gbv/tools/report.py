@@ -294,8 +294,8 @@ def arena_tables(folder: Path) -> tuple[str, list[dict]]:
                 difference = f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]"
                 needed = f"{contexts_needed(row['contexts'], found):,}"
             text.append(f"| {name}{'' if row['exact'] else ' ~'} | {setting} | {row['contexts']} | "
-                        f"{row['expected_accepted']:.3f}{se} | {difference} | {needed} | {row['first_token_acceptance']:.3f} | "
-                        f"{row['alpha_star']:.3f} | {row['ms_per_call']:.2f} |")
+                        f"{row['expected_accepted']:.3f}{se} | {difference} | {needed} | "
+                        f"{row['first_token_acceptance']:.3f} | {row['alpha_star']:.3f} | {row['ms_per_call']:.2f} |")
             if found is not None:
                 k = name.rpartition("@")[2]
                 entries.append({"label": f"{name} - {reference}@{k}", "setting": setting,
