@@ -276,7 +276,8 @@ def batch_throughput(target, drafter, prompts, max_new_tokens, block_length, bat
     changes the shapes of the matmuls). B = 1 runs in chunks only: refilling one slot is the same decode. Each
     (B, mode) runs twice, in the order there and back (1, 2 chunks, 2 refill, ..., 8 refill, 8 refill, 8 chunks, ...,
     1), the two methods in turn: a steady drift of the machine's speed over the part then weighs on every B, mode and
-    method alike (B = 1 alone takes minutes, and its speed moved by a third between runs on one machine). Returns the gbv runs and the ar runs, in that order."""
+    method alike (B = 1 alone takes minutes, and its speed moved by a third between runs on one machine). Returns
+    the gbv runs and the ar runs, in that order."""
     engines = {"gbv": SpeculativeEngine(target, drafter, "gbv", BATCH_DRAFTS, block_length, Sampling(1.0)),
                "ar": SpeculativeEngine(target, None, "ar", sampling=Sampling(1.0))}
     settings = [(mode, B) for B in batch_sizes if B <= len(prompts) for mode in MODES if B > 1 or mode == "chunks"]
