@@ -251,7 +251,7 @@ def test_single_draft_verifier_refuses_several_drafts():
 
 
 # --- ot: the optimal token-level coupling (docs/algorithms.md §15), an exact law of the reference only -------------
-OT_ANCHOR_MEAN_ACCEPTED = {"A": 1.580247, "B": 1.511477, "C": 2.105455}
+OT_ANCHOR_MEAN_ACCEPTED = {"A": 1.580247, "B": 1.501660, "C": 2.095275}
 
 
 def random_node(rng, vocab):
@@ -285,8 +285,8 @@ def test_ot_node_is_lossless_and_attains_alpha_star(k):
         assert accepted == pytest.approx(alpha_star_brute(p_vec, q_vec, k), abs=EXACT)
         bound = optimal_acceptance(torch.from_numpy(p_vec), torch.from_numpy(q_vec), k).item()
         assert accepted == pytest.approx(bound, abs=EXACT)
-        s = ref.ot_selection_law(p_vec, q_vec, k)  # the selected token's law: min(p, s) sums to alpha*
-        assert s.sum() == pytest.approx(1.0, abs=EXACT) and np.minimum(p_vec, s).sum() == pytest.approx(bound, abs=EXACT)
+        t = ref.ot_selection_law(p_vec, q_vec, k)  # the selection's law: below p, summing to alpha*
+        assert (t <= p_vec + EXACT).all() and t.sum() == pytest.approx(bound, abs=EXACT)
         for other in (ref._kseq_node, ref._specinfer_node):
             gains.append(accepted - node_outcome(other, p_vec, q_vec, k)[1])
     assert min(gains) > -EXACT
@@ -294,9 +294,10 @@ def test_ot_node_is_lossless_and_attains_alpha_star(k):
 
 
 def ot_accepting_every_selection(p, q, children):
-    """Broken control: ot's selection of the highest-ranked child, accepted without the test min(1, p/s)."""
+    """Broken control: ot's selection accepted without its test min(1, p/t), p sampled when nothing is selected."""
     children = tuple(sorted(int(c) for c in children))
-    return ref._ot_highest(ref._ot_ranks(p.tobytes(), q.tobytes(), len(children)), children, len(p))
+    chosen = ref._ot_highest(*ref._ot_ranks(p.tobytes(), q.tobytes(), len(children)), children, len(p))
+    return chosen + (1 - chosen.sum()) * p
 
 
 @pytest.mark.parametrize("vocab,L,K", SHAPES)

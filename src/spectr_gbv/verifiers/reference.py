@@ -458,14 +458,14 @@ def spectr_gbv_paper(p, q, drafts):
 # ot: the optimal token-level coupling (docs/algorithms.md §15). Here only, not a registered verifier: its
 # construction is sequential over the vocabulary, so this exact law is what a batched kernel would have to match.
 # ---------------------------------------------------------------------------------------------------------------
-# Bisection steps for a slid interval's position in [0, 1]: 2^-100 is below float64's spacing there, so the position
-# is at its fixed point. Lossless at any count (the rule accepts against the ranks' realised selection law); the
-# count only sets how closely s meets p at a slid token, hence how closely the acceptance reaches alpha*.
+# Bisection steps for a slid run's start in [0, 1]: 2^-100 is below float64's spacing there, so the start reaches
+# its fixed point. Lossless at any count (the rule tests against the realised law t of its selection); the count
+# only sets how closely t meets p at a slid token, hence how closely the acceptance reaches alpha*.
 OT_BISECTION_STEPS = 100
 
 
 def _ot_take(free, start, length):
-    """The pieces of the free rank set (sorted disjoint intervals) between free lengths start and start + length."""
+    """The pieces of the free ranks (sorted disjoint intervals) between free lengths start and start + length."""
     out, seen = [], 0.0
     for a, b in free:
         lo, hi = max(a, a + start - seen), min(b, a + start + length - seen)
@@ -473,34 +473,6 @@ def _ot_take(free, start, length):
             out.append((lo, hi))
         seen += b - a
     return out
-
-
-def _ot_mass(free, start, length, k):
-    """P(the highest of k uniform ranks lies in that run): b^k - a^k summed over its pieces."""
-    return sum(b ** k - a ** k for a, b in _ot_take(free, start, length))
-
-
-def _ot_place(tokens, p, q, k, lo, hi, at_top):
-    """Give each token, in turn, a run of q(y) of the free ranks in [lo, hi], contiguous in free length (it may
-    straddle runs given earlier): the run at the top end when at_top (side A) if its mass is <= p(y), the bottom
-    end when not at_top (side B) if its mass is >= p(y), else the run of mass exactly p(y), found by bisection (the
-    mass grows with the run's start). §15 shows that every later token then still finds its run."""
-    free, sets = [(lo, hi)], {}
-    tokens = [y for y in tokens if q[y] > 0]
-    for i, y in enumerate(tokens):
-        total = sum(b - a for a, b in free)
-        length = total if i == len(tokens) - 1 else min(q[y], total)  # the last one takes what rounding left
-        sign = 1.0 if at_top else -1.0  # the run fits while sign * (mass - p) <= 0
-        end = total - length if at_top else 0.0
-        if sign * (_ot_mass(free, end, length, k) - p[y]) > 0:
-            good, bad = total - length - end, end  # the other end fits (§15); the exact-p run lies between
-            for _ in range(OT_BISECTION_STEPS):
-                mid = 0.5 * (good + bad)
-                good, bad = (mid, bad) if sign * (_ot_mass(free, mid, length, k) - p[y]) <= 0 else (good, mid)
-            end = good
-        sets[y] = _ot_take(free, end, length)
-        free = [piece for a, b in free for piece in _ot_cut((a, b), sets[y])]
-    return sets
 
 
 def _ot_cut(interval, pieces):
@@ -515,38 +487,55 @@ def _ot_cut(interval, pieces):
     return out + [(a, b)] if b > a else out
 
 
+def _ot_mass(pieces, k, r0):
+    """P(the highest of k uniform ranks lies in the pieces and above r0)."""
+    return sum(max(b, r0) ** k - max(a, r0) ** k for a, b in pieces)
+
+
 @functools.lru_cache(maxsize=1 << 10)
 def _ot_ranks(p_bytes, q_bytes, k):
-    """Each token's rank set in [0, 1] (intervals of total length q(y)) for k drafts. The tokens of the optimal
-    cut's side B (low p/q, §10.1) share [0, q(B)] and get s >= p; those of side A share [q(B), 1] and get s <= p."""
+    """(each token's rank set in [0, 1], intervals of total length q(y); r0). Tokens in decreasing p/q take, in
+    turn, a run of q(y) of the ranks still free, contiguous in free length (it may straddle runs given earlier): the
+    top run if its mass is <= p(y), else the run of mass exactly p(y), found by bisection (the mass grows with the
+    run's start; the bottom run's is <= p(y)). §15 shows that every token finds its run."""
     p, q = np.frombuffer(p_bytes), np.frombuffer(q_bytes)
+    r0 = max(0.0, 1.0 - alpha_star(p, q, k)) ** (1.0 / k)
     with np.errstate(divide="ignore", invalid="ignore"):
-        order = np.argsort(np.where(q > 0, p / q, np.inf), kind="stable")
-    cuts = np.concatenate([[1.0], np.cumsum(p[order]) + 1 - np.cumsum(q[order]) ** k])  # [empty set, prefixes]
-    side_b = int(np.argmin(cuts))
-    q_b = float(q[order[:side_b]].sum())
-    sets = _ot_place(order[:side_b], p, q, k, 0.0, q_b, at_top=False)
-    sets.update(_ot_place(order[side_b:][::-1], p, q, k, q_b, 1.0, at_top=True))
-    return sets
+        order = np.argsort(-np.where(q > 0, p / q, np.inf), kind="stable")
+    tokens, free, sets = [y for y in order if q[y] > 0], [(0.0, 1.0)], {}
+    for i, y in enumerate(tokens):
+        total = sum(b - a for a, b in free)
+        length = total if i == len(tokens) - 1 else min(q[y], total)  # the last one takes what rounding left
+        start = total - length
+        if _ot_mass(_ot_take(free, start, length), k, r0) > p[y]:
+            fits, too_high = 0.0, start
+            for _ in range(OT_BISECTION_STEPS):
+                mid = 0.5 * (fits + too_high)
+                fits, too_high = (mid, too_high) if _ot_mass(_ot_take(free, mid, length), k, r0) <= p[y] \
+                    else (fits, mid)
+            start = fits
+        sets[y] = _ot_take(free, start, length)
+        free = [piece for a, b in free for piece in _ot_cut((a, b), sets[y])]
+    return sets, r0
 
 
 def ot_selection_law(p, q, k):
-    """s: the law of the token ot's node rule selects with k drafts (before its acceptance test), the draft of
-    highest rank, each rank uniform on its token's set: P(max of k uniforms in [a, b]) = b^k - a^k per interval.
-    s <= p on the optimal cut's side A and s >= p on side B, so sum min(p, s) = alpha*(p, q, k) (§15)."""
+    """t: the sub-probability law of the token ot's node rule selects with k drafts, the draft of highest rank when
+    that rank is >= r0, each rank uniform on its token's set; t <= p and t sums to alpha*(p, q, k) (§15)."""
     p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
-    s = np.zeros(len(p))
-    for y, pieces in _ot_ranks(p.tobytes(), q.tobytes(), k).items():
-        s[y] = sum(b ** k - a ** k for a, b in pieces)
-    return s
+    sets, r0 = _ot_ranks(p.tobytes(), q.tobytes(), k)
+    t = np.zeros(len(p))
+    for y, pieces in sets.items():
+        t[y] = _ot_mass(pieces, k, r0)
+    return t
 
 
-def _ot_highest(sets, children, vocab):
-    """P(the highest of the children's ranks is a draft of token y), exactly: between the sets' endpoints every
-    rank's CDF is linear, so the integrand is a polynomial of degree < k, which k Gauss-Legendre nodes integrate
-    exactly."""
+def _ot_highest(sets, r0, children, vocab):
+    """P(the highest of the children's ranks is >= r0 and a draft of token y), exactly: between r0 and the sets'
+    endpoints every rank's CDF is linear, so the integrand is a polynomial of degree < k, which k Gauss-Legendre
+    nodes integrate exactly."""
     k, tokens = len(children), sorted(set(children))
-    ends = np.unique([x for y in tokens for piece in sets[y] for x in piece])
+    ends = np.unique([r0, 1.0, *(x for y in tokens for piece in sets[y] for x in piece if x > r0)])
     nodes, weights = np.polynomial.legendre.leggauss(k)
     r = ((ends[:-1] + ends[1:])[:, None] + np.diff(ends)[:, None] * nodes) / 2  # [pieces, nodes]
     w = np.diff(ends)[:, None] * weights / 2
@@ -564,14 +553,13 @@ def _ot_highest(sets, children, vocab):
 
 @functools.lru_cache(maxsize=1 << 14)
 def _ot_node_cached(p_bytes, q_bytes, children):
-    """Select the child of highest rank, accept it with min(1, p/s), else sample norm(p - min(p, s)): the
-    single-draft rule of §2 applied to the selected token, whose law is s."""
+    """Select the child of highest rank if that rank is >= r0, accept it with min(1, p/t), else sample
+    norm(p - min(p, t)): the single-draft rule of §2 applied to a selection of law t (1 where t <= p)."""
     p, q = np.frombuffer(p_bytes), np.frombuffer(q_bytes)
-    s = ot_selection_law(p, q, len(children))
-    chosen = _ot_highest(_ot_ranks(p_bytes, q_bytes, len(children)), children, len(p))
-    accept = np.where(s > 0, np.minimum(1.0, p / np.where(s > 0, s, 1.0)), 0.0)
-    residual = _normalise(np.maximum(p - np.minimum(p, s), 0.0), p)
-    return chosen * accept + (chosen * (1 - accept)).sum() * residual
+    t = ot_selection_law(p, q, len(children))
+    chosen = _ot_highest(*_ot_ranks(p_bytes, q_bytes, len(children)), children, len(p))
+    accepted = chosen * np.where(t > 0, np.minimum(1.0, p / np.where(t > 0, t, 1.0)), 0.0)
+    return accepted + (1 - accepted.sum()) * _normalise(np.maximum(p - np.minimum(p, t), 0.0), p)
 
 
 def _ot_node(p, q, children):
