@@ -554,7 +554,8 @@ def _ot_highest(sets, r0, children, vocab):
 @functools.lru_cache(maxsize=1 << 14)
 def _ot_node_cached(p_bytes, q_bytes, children):
     """Select the child of highest rank if that rank is >= r0, accept it with min(1, p/t), else sample
-    norm(p - min(p, t)): the single-draft rule of §2 applied to a selection of law t (1 where t <= p)."""
+    norm(p - min(p, t)): the single-draft rule of §2 applied to a selection of law t, which the rank sets keep below
+    p, so the test accepts every selection up to rounding."""
     p, q = np.frombuffer(p_bytes), np.frombuffer(q_bytes)
     t = ot_selection_law(p, q, len(children))
     chosen = _ot_highest(*_ot_ranks(p_bytes, q_bytes, len(children)), children, len(p))
