@@ -455,6 +455,122 @@ def spectr_gbv_paper(p, q, drafts):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ot: the optimal token-level coupling (docs/algorithms.md §15). Here only, not a registered verifier: its
+# construction is sequential over the vocabulary, so this exact law is what a batched kernel would have to match.
+# ---------------------------------------------------------------------------------------------------------------
+# Bisection steps for a slid run's start in [0, 1]: 2^-100 is below float64's spacing there, so the start reaches
+# its fixed point. Lossless at any count (the rule tests against the realised law t of its selection); the count
+# only sets how closely t meets p at a slid token, hence how closely the acceptance reaches alpha*.
+OT_BISECTION_STEPS = 100
+
+
+def _ot_take(free, start, length):
+    """The pieces of the free ranks (sorted disjoint intervals) between free lengths start and start + length."""
+    out, seen = [], 0.0
+    for a, b in free:
+        lo, hi = max(a, a + start - seen), min(b, a + start + length - seen)
+        if hi > lo:
+            out.append((lo, hi))
+        seen += b - a
+    return out
+
+
+def _ot_cut(interval, pieces):
+    """interval minus the pieces (sorted, disjoint)."""
+    (a, b), out = interval, []
+    for lo, hi in pieces:
+        if hi <= a or lo >= b:
+            continue
+        if lo > a:
+            out.append((a, lo))
+        a = hi
+    return out + [(a, b)] if b > a else out
+
+
+def _ot_mass(pieces, k, r0):
+    """P(the highest of k uniform ranks lies in the pieces and above r0)."""
+    return sum(max(b, r0) ** k - max(a, r0) ** k for a, b in pieces)
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _ot_ranks(p_bytes, q_bytes, k):
+    """(each token's rank set in [0, 1], intervals of total length q(y); r0). Tokens in decreasing p/q take, in
+    turn, a run of q(y) of the ranks still free, contiguous in free length (it may straddle runs given earlier): the
+    top run if its mass is <= p(y), else the run of mass exactly p(y), found by bisection (the mass grows with the
+    run's start; the bottom run's is <= p(y)). §15 shows that every token finds its run."""
+    p, q = np.frombuffer(p_bytes), np.frombuffer(q_bytes)
+    r0 = max(0.0, 1.0 - alpha_star(p, q, k)) ** (1.0 / k)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        order = np.argsort(-np.where(q > 0, p / q, np.inf), kind="stable")
+    tokens, free, sets = [y for y in order if q[y] > 0], [(0.0, 1.0)], {}
+    for i, y in enumerate(tokens):
+        total = sum(b - a for a, b in free)
+        length = total if i == len(tokens) - 1 else min(q[y], total)  # the last one takes what rounding left
+        start = total - length
+        if _ot_mass(_ot_take(free, start, length), k, r0) > p[y]:
+            fits, too_high = 0.0, start
+            for _ in range(OT_BISECTION_STEPS):
+                mid = 0.5 * (fits + too_high)
+                fits, too_high = (mid, too_high) if _ot_mass(_ot_take(free, mid, length), k, r0) <= p[y] \
+                    else (fits, mid)
+            start = fits
+        sets[y] = _ot_take(free, start, length)
+        free = [piece for a, b in free for piece in _ot_cut((a, b), sets[y])]
+    return sets, r0
+
+
+def ot_selection_law(p, q, k):
+    """t: the sub-probability law of the token ot's node rule selects with k drafts, the draft of highest rank when
+    that rank is >= r0, each rank uniform on its token's set; t <= p and t sums to alpha*(p, q, k) (§15)."""
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    sets, r0 = _ot_ranks(p.tobytes(), q.tobytes(), k)
+    t = np.zeros(len(p))
+    for y, pieces in sets.items():
+        t[y] = _ot_mass(pieces, k, r0)
+    return t
+
+
+def _ot_highest(sets, r0, children, vocab):
+    """P(the highest of the children's ranks is >= r0 and a draft of token y), exactly: between r0 and the sets'
+    endpoints every rank's CDF is linear, so the integrand is a polynomial of degree < k, which k Gauss-Legendre
+    nodes integrate exactly."""
+    k, tokens = len(children), sorted(set(children))
+    ends = np.unique([r0, 1.0, *(x for y in tokens for piece in sets[y] for x in piece if x > r0)])
+    nodes, weights = np.polynomial.legendre.leggauss(k)
+    r = ((ends[:-1] + ends[1:])[:, None] + np.diff(ends)[:, None] * nodes) / 2  # [pieces, nodes]
+    w = np.diff(ends)[:, None] * weights / 2
+    cdf, density = {}, {}
+    for y in tokens:
+        length = sum(b - a for a, b in sets[y])
+        cdf[y] = sum(np.clip(r - a, 0.0, b - a) for a, b in sets[y]) / length
+        density[y] = sum(((r >= a) & (r < b)).astype(float) for a, b in sets[y]) / length
+    law = np.zeros(vocab)
+    for y in tokens:  # each of y's drafts is the highest with the same probability
+        others = np.prod([cdf[x] ** (children.count(x) - (x == y)) for x in tokens], axis=0)
+        law[y] = children.count(y) * (w * density[y] * others).sum()
+    return law
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _ot_node_cached(p_bytes, q_bytes, children):
+    """Select the child of highest rank if that rank is >= r0, accept it with min(1, p/t), else sample
+    norm(p - min(p, t)): the single-draft rule of §2 applied to a selection of law t, which the rank sets keep below
+    p, so the test accepts every selection up to rounding."""
+    p, q = np.frombuffer(p_bytes), np.frombuffer(q_bytes)
+    t = ot_selection_law(p, q, len(children))
+    chosen = _ot_highest(*_ot_ranks(p_bytes, q_bytes, len(children)), children, len(p))
+    accepted = chosen * np.where(t > 0, np.minimum(1.0, p / np.where(t > 0, t, 1.0)), 0.0)
+    return accepted + (1 - accepted.sum()) * _normalise(np.maximum(p - np.minimum(p, t), 0.0), p)
+
+
+def _ot_node(p, q, children):
+    return _ot_node_cached(p.tobytes(), q.tobytes(), tuple(sorted(int(c) for c in children)))
+
+
+ot = _tree(_ot_node)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Public entry points
 # ---------------------------------------------------------------------------------------------------------------
 # The exact law of each built-in verifier, by its registry name (spectr_gbv.verifiers.VERIFIERS says which are
