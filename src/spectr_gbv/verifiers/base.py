@@ -93,7 +93,8 @@ def check_inputs(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor
         raise ValueError(f"draft_tokens must lie in [0, {V}), got values in "
                          f"[{int(draft_tokens.min())}, {int(draft_tokens.max())}]")
     if (draft_probs.gather(-1, draft_tokens.unsqueeze(-1)) <= 0).any():
-        raise ValueError("draft_probs gives zero probability to a drafted token: drafts must be sampled from draft_probs")
+        raise ValueError("draft_probs gives zero probability to a drafted token: drafts must be sampled from "
+                         "draft_probs")
 
 
 def _check_distributions(name: str, probs: Tensor) -> None:
@@ -106,7 +107,8 @@ def _check_distributions(name: str, probs: Tensor) -> None:
         raise ValueError(f"{name} contains negative entries")
     worst = (sums - 1).abs().max().item()
     if worst > tol:
-        raise ValueError(f"{name} rows must sum to 1 (tolerance {tol:.1e} for {probs.dtype}), worst is off by {worst:.2e}")
+        raise ValueError(f"{name} rows must sum to 1 (tolerance {tol:.1e} for {probs.dtype}), worst is off by "
+                         f"{worst:.2e}")
 
 
 # ---- steps shared by the verifiers -----------------------------------------------------------------------------
