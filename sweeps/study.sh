@@ -16,10 +16,7 @@ K1="$(names multi_draft=False),gbv"  # the registry's single-draft verifiers (to
 K3=$(names multi_draft=True)         # the registry's multi-draft ones at K = 3, gbv first
 # The main part's K = 3 jobs in the order docs/study/main/k3 numbered its folders (a job's folder is its place in the
 # list, and a resumed job must find its own records there): the registry's multi-draft verifiers, gbv moved, traversal
-# (added later) last. traversal's job (k3/6) ran on an AVX2 EPYC, where bfloat16 is emulated, in float32 on oneDNN:
-#   run.py -m verifier=traversal num_drafts=3 <MAIN without PAIR> model.dtype=float32 model.linear_kernel=onednn
-#     drafter.dtype=float32 drafter.linear_kernel=onednn hydra.sweep.dir=$OUT/main/k3 hydra.sweep.subdir=6
-# (a folder refuses a rerun with other settings, so on this part's command that job stops with one line: run it so).
+# (added later) last.
 K3_MAIN="spectr,specinfer,nss,multipath,gbv,spectr_gbv_paper,traversal"
 
 main() {  # the paper's Table 1 shape: L = 8, T = 0.4, the five datasets, 20 prompts each, 128 new tokens
