@@ -122,6 +122,15 @@ def test_a_paired_row_is_refreshed_only_by_the_same_setting(tmp_path):
     assert refresh_page(page, printed) == 0 and page.read_text() == quoted
 
 
+def test_a_table_marked_with_its_part_is_refreshed_only_by_that_part(tmp_path):
+    printed = "| method | mtbench BE |\n|---|---|\n| gbv K=3 L=8 | 5.62 |\n"  # the speed part's row of the same name
+    page = tmp_path / "results.md"
+    quoted = "<!-- report: main -->\n| method | mtbench BE |\n|---|---|\n| gbv K=3 L=8 | 4.97 |\n"
+    page.write_text(quoted)
+    assert refresh_page(page, printed, "speed") == 0 and page.read_text() == quoted
+    assert refresh_page(page, printed, "main") == 1 and "| gbv K=3 L=8 | 5.62 |" in page.read_text()
+
+
 def test_report_of_an_empty_folder_is_one_error(tmp_path):
     with pytest.raises(SystemExit, match="no summary.json or real audit below it"):
         main([str(tmp_path)])

@@ -18,6 +18,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -431,14 +432,22 @@ def row_key(row: str, width: int) -> tuple[str, ...]:
     return tuple(row.split(" | ")[:width])
 
 
-def refresh_page(page: Path, markdown: str) -> int:
+PART_MARK = re.compile(r"<!-- report: (\S+) -->")
+
+
+def refresh_page(page: Path, markdown: str, part: str | None = None) -> int:
     """Replace in a results page every table row that this report prints anew: a page's table is refreshed when
     the report prints a table with the same header holding every row the page quotes (the page may quote a subset,
-    in its own order). Returns the rows replaced; prose is left as it is."""
+    in its own order). Two parts can print the same rows of other runs (the main table's and the speed part's
+    "gbv K=3 L=8"), so a table on the line below `<!-- report: NAME -->` is refreshed only by the report of the part
+    folder NAME. Returns the rows replaced; prose is left as it is."""
     printed = markdown.splitlines()
     lines = page.read_text().splitlines()
     replaced = 0
     for first, end in markdown_tables(lines):
+        source = PART_MARK.fullmatch(lines[first - 1]) if first else None
+        if source and source.group(1) != part:
+            continue
         quoted = lines[first + 2:end]  # below the header and its separator
         for start, stop in markdown_tables(printed):
             rows = printed[start + 2:stop]
@@ -466,7 +475,8 @@ def main(argv: list[str] | None = None) -> None:
     markdown = report(args.folder)
     print(markdown, end="")
     if args.page is not None:
-        print(f"{args.page}: {refresh_page(args.page, markdown)} table rows refreshed", file=sys.stderr)
+        refreshed = refresh_page(args.page, markdown, args.folder.resolve().name)
+        print(f"{args.page}: {refreshed} table rows refreshed", file=sys.stderr)
 
 
 if __name__ == "__main__":
