@@ -13,10 +13,12 @@ from spectr_gbv.decoding.engine import SpeculativeEngine
 from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.errors import ConfigError
-from spectr_gbv.experiment.arena import Arena, draft_digest
+from spectr_gbv.experiment.arena import Arena, draft_digest, summarise
 from spectr_gbv.experiment.config import arena_verifiers
 from spectr_gbv.experiment.config import validate
+from spectr_gbv.experiment.metrics import VERDICTS, paired_difference
 from spectr_gbv.verifiers import build_verifier, reference, verifier_names
+from spectr_gbv.verifiers.streams import law_p_value
 from spectr_gbv.verifiers.tree import NaiveVerifier
 from test_run import records, run_py, signal_after_records
 from test_verifiers import instance, sample_path
@@ -79,10 +81,10 @@ def decode_with_arena(arena: Arena, perturb: float, K: int, L: int, max_new_toke
     seen = {0: [], 1: []}
     watch = arena.watch(prompts)
 
-    def on_iteration(indices, tokens, q, p, out):
+    def on_iteration(indices, tokens, q, p, out, state):
         for row, index in enumerate(indices):
             seen[index].append(tokens[row].clone())
-        watch(indices, tokens, q, p, out)
+        watch(indices, tokens, q, p, out, state)
 
     engine.generate_batch([target.encode_prompt(prompt["prompt"]) for prompt in prompts], max_new_tokens,
                           [torch.Generator().manual_seed(i) for i in range(2)], on_iteration=on_iteration,
@@ -122,14 +124,14 @@ def test_contexts_do_not_depend_on_when_a_prompt_joins():
 
 
 class SeenA(NaiveVerifier):
-    """nss that keeps the drafts of every call (the arena times one call per context and k)."""
+    """nss that keeps the drafts of every law it is asked for (the arena asks once per context and k)."""
 
     name = "seen_a"
     calls: list[torch.Tensor] = []
 
-    def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
+    def accepted_law(self, draft_tokens, draft_probs, target_probs):
         self.calls.append(draft_tokens.clone())
-        return super().verify(draft_tokens, draft_probs, target_probs, generator, state)
+        return super().accepted_law(draft_tokens, draft_probs, target_probs)
 
 
 class SeenB(SeenA):
@@ -141,7 +143,8 @@ def test_every_verifier_at_a_context_sees_the_same_drafts():
     SeenA.calls.clear()
     SeenB.calls.clear()
     K = 3
-    arena = Arena(arena_verifiers(["test_arena:SeenA", "test_arena:SeenB"], "gbv"), K, replicas=2, seed=0)
+    arena = Arena(arena_verifiers(["test_arena:SeenA", "test_arena:SeenB"], "gbv"), K, replicas=2, seed=0,
+                  reference="gbv")
     decoded = decode_with_arena(arena, 0.5, K=K, L=2)
     assert len(SeenA.calls) == len(SeenB.calls) > 0
     for a, b in zip(SeenA.calls, SeenB.calls):
@@ -155,8 +158,8 @@ def test_every_verifier_at_a_context_sees_the_same_drafts():
         for context, tokens in zip(contexts, drafts):
             assert context["drafts"] == draft_digest(tokens)  # once per context, of the drafts every verifier saw
             assert all("drafts" not in values for values in context["verifiers"].values())
-            assert set(context["verifiers"]) == {f"{name}@{k}" for name in ("gbv", "test_arena:SeenA",
-                                                                           "test_arena:SeenB") for k in (1, 2, 3)}
+            assert set(context["verifiers"]) == {"gbv@3", "gbv@3 fresh"} | {
+                f"{name}@{k}" for name in ("test_arena:SeenA", "test_arena:SeenB") for k in (1, 2, 3)}
     assert len({context["drafts"] for contexts, _ in decoded for context in contexts}) > 1
 
 
@@ -184,6 +187,10 @@ def test_arena_knobs_are_checked_before_any_model_loads(make_cfg):
     assert str(error.value).startswith("verifiers=nope: unknown verifier; choose one of")
     with pytest.raises(ConfigError, match="replicas=0: must be >= 1"):
         validate(make_cfg(*TINY, "mode=arena", "replicas=0"))
+    with pytest.raises(ConfigError, match=r"verifiers=\[\]: names no verifier to score"):
+        validate(make_cfg(*TINY, "mode=arena", "verifiers=[]"))
+    with pytest.raises(ConfigError, match="delta=0.0: must be > 0"):
+        validate(make_cfg(*TINY, "mode=arena", "delta=0"))
     for decoder in ("ar", "spectr_gbv_paper"):
         with pytest.raises(ConfigError, match=f"verifier={decoder}: the arena needs a lossless speculative"):
             validate(make_cfg(*TINY, "mode=arena", f"verifier={decoder}", "num_drafts=1"))
@@ -214,23 +221,96 @@ def test_run_py_arena_end_to_end_resumes_after_a_kill(tmp_path):
     assert sorted(found) == [("tiny", i) for i in range(3)]
     for record in found.values():
         assert [c["iteration"] for c in record["arena"]] == list(range(record["target_calls"]))
-        assert set(record["arena"][0]["verifiers"]) == {"gbv@1", "gbv@2", "token@1", "spectr_gbv_paper@1",
+        assert set(record["arena"][0]["verifiers"]) == {"gbv@2", "gbv@2 fresh", "token@1", "spectr_gbv_paper@1",
                                                        "spectr_gbv_paper@2"}
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["verifiers"] == ["gbv", "token", "spectr_gbv_paper"] and summary["replicas"] == 2
-    overall = summary["arena"]["datasets"]["overall"]
+    arena = summary["arena"]
+    overall = arena["datasets"]["overall"]
     assert overall["decode"]["iterations"] == sum(r["target_calls"] for r in found.values())
+    assert overall["decode"]["scoring_ms_per_context"] > 0
     rows = overall["verifiers"]
     assert rows["token@1"]["exact"] and not rows["gbv@2"]["exact"]
-    assert rows["gbv@1"]["difference"] is None and rows["token@1"]["difference"]["low"] <= \
-        rows["token@1"]["difference"]["mean"] <= rows["token@1"]["difference"]["high"]
+    assert (rows["gbv@2"]["state"], rows["gbv@2 fresh"]["state"], rows["token@1"]["state"]) == (
+        "carried", "fresh", "none")
+    assert rows["gbv@2"]["difference"] is None and rows["gbv@2 fresh"]["verdict"] is None
+    assert rows["spectr_gbv_paper@2"]["verdict"] in VERDICTS and rows["spectr_gbv_paper@2"]["prompts"] == 3
     contexts = [c for r in found.values() for c in r["arena"]]
     assert rows["token@1"]["expected_accepted"] == pytest.approx(
         np.mean([c["verifiers"]["token@1"]["expected_accepted"] for c in contexts]))
-    assert rows["gbv@2"]["alpha_star"] >= rows["gbv@1"]["alpha_star"]  # alpha* grows with k
+    assert rows["spectr_gbv_paper@2"]["alpha_star"] >= rows["token@1"]["alpha_star"]  # alpha* grows with k
+    assert {(pair["a"], pair["b"]) for pair in arena["pairs"]} == {("token@1", "spectr_gbv_paper@1"),
+                                                                   ("gbv@2", "spectr_gbv_paper@2")}
+    assert set(arena["state_cost"]) == {"gbv@2"} and arena["consistency"]["verifier"] == "gbv@2"
     [run] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert list(run.parent.glob("files/media/table/arena_*.table.json"))
 
     markdown = report(tmp_path)
-    assert "| verifier@k | setting | contexts | E[tau] |" in markdown and "| spectr_gbv_paper@2 ~ |" in markdown
+    assert "| verifier@k | setting | state | prompts | contexts | E[tau] [95%] |" in markdown
+    assert "| spectr_gbv_paper@2 ~ |" in markdown and "verdicts at k=2" in markdown
     assert (tmp_path / "arena_differences.png").exists()
+
+
+PROMPTS = ["Hello", "Once", "The", "A cat", "In", "We", "It was", "So"] * 2
+
+
+def tiny_arena(reference: str, K: int, names: list[str], L: int = 4, max_new_tokens: int = 96) -> tuple[dict, dict]:
+    """A float64 tiny pair at T = 1 decoded by `reference` over 16 prompts, the arena scoring `names` (4 replicas):
+    its records (as summarise() takes them) and their summary."""
+    target, drafter = tiny(0, dtype="float64"), tiny(0, perturb=0.5, dtype="float64")
+    engine = SpeculativeEngine(target, drafter, reference, K, L, Sampling(1.0))
+    prompts = [{"dataset": "tiny", "prompt_id": i, "prompt": text} for i, text in enumerate(PROMPTS)]
+    arena = Arena(arena_verifiers(names, reference), K, replicas=4, seed=0, reference=reference)
+    decoded = engine.generate_batch([target.encode_prompt(prompt["prompt"]) for prompt in prompts], max_new_tokens,
+                                    [torch.Generator().manual_seed(i) for i in range(len(prompts))],
+                                    on_iteration=arena.watch(prompts))
+    recorded = {("tiny", i): {"arena": arena.finished(prompt), "target_calls": out.target_calls,
+                              "new_tokens": out.new_tokens,
+                              "times": {"total_time": out.total_time, "verify_time": out.verify_time}}
+                for i, (prompt, out) in enumerate(zip(prompts, decoded))}
+    return recorded, summarise(recorded, reference, list(arena.verifiers), ["tiny"], delta=0.02)
+
+
+@pytest.mark.parametrize("reference, K", [("gbv", 1), ("gbv", 2), ("bv", 1)])
+def test_the_reference_scored_with_its_state_matches_its_own_decode(reference, K):
+    """On the reference's decode its realised tau and its scored E[tau] (carried state; replicas at K = 2) agree
+    within the prompt-level interval. The negative control: gbv scored from a fresh state does not."""
+    recorded, summary = tiny_arena(reference, K, ["bv", "gbv"] if K == 1 else ["gbv"])
+    found = summary["consistency"]
+    assert found["verifier"] == f"{reference}@{K}" and found["holds"], found["datasets"]["overall"]
+    if reference == "gbv":
+        contexts = {("tiny", prompt, c["iteration"]): c for (_, prompt), r in recorded.items() for c in r["arena"]}
+        fresh = paired_difference({key: c["accepted"] for key, c in contexts.items()},
+                                  {key: c["verifiers"][f"gbv@{K} fresh"]["expected_accepted"]
+                                   for key, c in contexts.items()})["overall"]
+        assert fresh["high"] < 0  # a fresh state overstates what gbv accepts on its own decode
+        assert summary["state_cost"][f"gbv@{K}"]["overall"]["high"] < 0
+        assert summary["datasets"]["overall"]["verifiers"][f"gbv@{K} fresh"]["verdict"] is None
+
+
+def test_bv_on_gbvs_contexts_scores_as_bvs_own_decode():
+    """The contexts a decode passes through do not favour one rule: bv's arena mean on gbv's contexts and bv's own
+    decode of the same prompts agree within the prompt-level interval (each side keeps its own contexts)."""
+    on_gbv, _ = tiny_arena("gbv", 1, ["bv"])
+    own, _ = tiny_arena("bv", 1, ["bv"])
+    values = lambda recorded, of: {("tiny", prompt, c["iteration"]): of(c)  # noqa: E731
+                                   for (_, prompt), r in recorded.items() for c in r["arena"]}
+    difference = paired_difference(values(on_gbv, lambda c: c["verifiers"]["bv@1"]["expected_accepted"]),
+                                   values(own, lambda c: c["accepted"]), paired=False)["overall"]
+    assert difference["prompts"] == len(PROMPTS) and difference["low"] <= 0 <= difference["high"]
+
+
+def test_gbvs_law_with_a_carried_state_is_the_law_of_its_calls():
+    """gbv at K = 1 given pending levels: accepted_law(state=) against 20,000 calls with the states a first call left
+    (chi-square); the law from a fresh state must fail on the same calls."""
+    rows, gbv = 20_000, build_verifier("gbv")
+    p_model, q_model = reference.RandModel(4, 7, zero_prob=0.1), reference.RandModel(4, 8)
+    rng, generator = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    first = gbv(*instance(p_model, q_model, [sample_path(q_model, 3, rng)], rows), generator=generator)
+    assert first.state is not None  # levels pending in the rows that rejected early
+    second = instance(p_model, q_model, [sample_path(q_model, 3, rng)], rows)
+    taus = gbv(*second, generator=generator, state=first.state).num_accepted[:, None]
+    for state, fits in ((first.state, True), (None, False)):
+        law = gbv.accepted_law(*second, state=state).mean(0)
+        p_value = law_p_value(taus, {(i,): float(mass) for i, mass in enumerate(law)})
+        assert (p_value > 1e-3) if fits else (p_value < 1e-6), (state is not None, p_value)

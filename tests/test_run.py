@@ -294,9 +294,9 @@ def test_a_custom_verifier_without_a_loadable_target_is_one_line(target, line, t
     (["block_length=100000"], {}, "error: block_length=100000: must be <= max_new_tokens (8)"),
     # HF_HUB_OFFLINE makes the hub refuse at once; without network it refuses after its retries (about 30 s)
     (["model=hf", "model.path=someorg/somemodel"], {"HF_HUB_OFFLINE": "1"},
-     "error: path=someorg/somemodel: not a local folder or .gguf file, and the hub could not give it"),
+     "error: model.path=someorg/somemodel: not a local folder or .gguf file, and the hub could not give it"),
     (["model=hf", "model.path=gpt2"], {"HF_HUB_OFFLINE": "1"},  # a hub id without an owner: the loader's word too
-     "error: path=gpt2: not a local folder or .gguf file, and the hub could not give it"),
+     "error: model.path=gpt2: not a local folder or .gguf file, and the hub could not give it"),
     (["logger=wandb", "logger.mode=online"], {},
      "error: logger.mode=online: W&B cannot start online (No API key configured."),
 ])

@@ -22,6 +22,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,8 +36,9 @@ from spectr_gbv.errors import ConfigError
 from spectr_gbv.verifiers import VerifierOutput, build_verifier, verifier_class
 from spectr_gbv.verifiers.base import sample
 
-# on_iteration(prompt indices of the rows, tokens [B, K, L], q [B, K, L, V], p [B, K, L+1, V], the verifier's output)
-IterationHook = Callable[[list[int], Tensor, Tensor, Tensor, VerifierOutput], None]
+# on_iteration(prompt indices of the rows, tokens [B, K, L], q [B, K, L, V], p [B, K, L+1, V], the verifier's output,
+# the state it was called with)
+IterationHook = Callable[[list[int], Tensor, Tensor, Tensor, VerifierOutput, Any], None]
 
 
 @dataclass
@@ -188,7 +190,8 @@ class SpeculativeEngine:
         left waiting takes the row of one that finished at the next iteration (Decoder). on_finish(i, record) is
         called as soon as prompt i is done (records are final then). When should_stop() turns True, raises Stopped
         before the next iteration. on_iteration sees every verification: the rows' prompt indices, the drafts,
-        their laws and the verifier's decision (the verifier arena scores other verifiers on them); its time is
+        their laws, the verifier's decision and the state it was called with (the verifier arena scores other verifiers
+        on them, and a stateful one with that state); its time is
         charged to no record."""
         if not prompts:
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
@@ -393,7 +396,7 @@ class Decoder:
         rows.charge("total_time", time.perf_counter() - started)
         rows.count_iteration(positions, accepted.tolist(), winner.tolist())
         if self.on_iteration is not None:
-            self.on_iteration(list(rows.indices), tokens, q, p, out)
+            self.on_iteration(list(rows.indices), tokens, q, p, out, self.state)
         self.state = out.state
         self._leave(rows.emit(emitted))
 

@@ -11,7 +11,10 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from spectr_gbv.decoding.precision import CPU_CLASSES, this_cpu
+from spectr_gbv.decoding.tiny import tiny
 from spectr_gbv.experiment.records import records_in
+
+TINY_LOADER = f"{tiny.__module__}.{tiny.__name__}"  # conf/model/tiny.yaml's _target_
 
 
 class SplitCpuThreads(Callback):
@@ -81,7 +84,8 @@ def drafter_tip(drafter: dict) -> str | None:
     is not quantized; opt-in, since it moves the drafter's laws and so the block efficiency."""
     cpu = this_cpu()
     paid = CPU_CLASSES[cpu]
-    if drafter["device"] != "cpu" or drafter.get("quantize") or paid.drafter_quantize is None:
+    real = drafter["_target_"] != TINY_LOADER  # a tiny model has no quantized drafter worth a tip
+    if not real or drafter["device"] != "cpu" or drafter.get("quantize") or paid.drafter_quantize is None:
         return None
     return (f"tip: on CPUs of class {cpu}, drafter.dtype={paid.dtype} drafter.quantize={paid.drafter_quantize} made "
             "speculation faster at batch_size=1 (docs/performance.md); it moves the drafter's laws, and so the block "
@@ -89,22 +93,29 @@ def drafter_tip(drafter: dict) -> str | None:
 
 
 def arena_table(arena: dict):
-    """The verifier arena over all its contexts (mode=arena): E[tau] given the drafts per verifier@k (~: a mean of
-    replicas), its paired difference against the reference at the same k, first-token acceptance beside alpha*."""
+    """The verifier arena over all its contexts (mode=arena), narrow enough for a terminal: E[tau] given the drafts
+    per verifier@k (~: a mean of replicas; `fresh`: a stateful rule from a fresh state, without a verdict), the
+    difference against the reference at the same k with its 95% interval over prompts (symmetric: mean +- half) and
+    its verdict, alpha*, and the ms per context that scoring it took. summary.json and the report have the rest."""
     from rich.markup import escape
     from rich.table import Table
 
     overall = arena["datasets"]["overall"]
-    table = Table(title=f"arena: {overall['decode']['iterations']} contexts, differences against "
-                        f"{arena['reference']}@k", title_justify="left")
-    for column in ("verifier@k", "E[tau]", "difference [95%]", "first token", "alpha*", "ms/call"):
+    decode = overall["decode"]
+    scoring = decode.get("scoring_ms_per_context")
+    cost = "" if scoring is None else (f"; scoring {scoring:.0f} ms per context, the decode "
+                                       f"{decode['ms_per_iteration']:.0f} ms per iteration")
+    table = Table(title=f"arena: {decode['prompts']} prompts, {decode['iterations']} contexts, against "
+                        f"{arena['reference']}@k, equivalent within ±{arena['delta']}{cost}", title_justify="left")
+    for column in ("verifier@k", "E[tau]", "vs reference [95%]", "verdict", "alpha*", "ms"):
         first = column == "verifier@k"  # whole names: a cut one can hide which rule a row is
         table.add_column(escape(column), justify="left" if first else "right", no_wrap=first)
     for name, row in overall["verifiers"].items():
         found = row["difference"]
-        difference = "" if found is None else f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]"
+        difference = "" if found is None else f"{found['mean']:+.3f} ± {(found['high'] - found['low']) / 2:.3f}"
+        needed = "" if row["prompts_needed"] is None else f" ({row['prompts_needed']:,})"
         table.add_row(name + ("" if row["exact"] else " ~"), f"{row['expected_accepted']:.3f}", difference,
-                      f"{row['first_token_acceptance']:.3f}", f"{row['alpha_star']:.3f}", f"{row['ms_per_call']:.2f}")
+                      (row["verdict"] or "") + needed, f"{row['alpha_star']:.3f}", f"{row['ms_per_context']:.1f}")
     return table
 
 

@@ -70,6 +70,7 @@ class Config(Knobs):
     # mode=arena only (conf/mode/arena.yaml): the verifiers scored on the reference's drafts, replicas per context
     verifiers: Optional[list[str]] = None
     replicas: Optional[int] = None
+    delta: Optional[float] = None  # the equivalence margin of the arena's verdicts, tokens per call
     # the Lightning module and data module, built from the groups and the knobs in conf/config.yaml
     module: Any = MISSING
     data: Any = MISSING
@@ -158,9 +159,9 @@ def validate_mode(cfg: DictConfig) -> None:
     silently ignored, so they are refused."""
     if HydraConfig.get().runtime.choices.get("mode") == "arena":
         arena_verifiers(cfg.verifiers, cfg.verifier.name)
-        check_replicas(cfg.replicas)
+        check_arena_knobs(cfg.replicas, cfg.delta)
         return
-    for key in ("verifiers", "replicas"):
+    for key in ("verifiers", "replicas", "delta"):
         if cfg[key] is not None:
             raise ConfigError(key, cfg[key], "only with mode=arena, the verifier arena")
 
@@ -172,6 +173,9 @@ def arena_verifiers(specs: list[str] | None, reference: str) -> list[str]:
     if reference == "ar" or not verifier_class(reference).lossless:
         raise ConfigError("verifier", reference, "the arena needs a lossless speculative reference decode; choose "
                           f"one of {', '.join(verifier_names(lossless=True))}")
+    if specs is not None and len(specs) == 0:
+        raise ConfigError("verifiers", "[]", "names no verifier to score: list some, or leave it out (null) for "
+                          "every built-in one")
     names = verifier_names() if specs is None else list(specs)
     for spec in names:
         verifier_class(spec, key="verifiers")
@@ -180,10 +184,13 @@ def arena_verifiers(specs: list[str] | None, reference: str) -> list[str]:
     return list(dict.fromkeys([reference, *names] if reference not in names else names))
 
 
-def check_replicas(replicas) -> None:
+def check_arena_knobs(replicas, delta) -> None:
     if not (isinstance(replicas, int) and replicas >= 1):
         raise ConfigError("replicas", replicas, "must be >= 1: calls averaged per context where a verifier has no "
                           "closed-form accepted_law()")
+    if not (isinstance(delta, (int, float)) and delta > 0):
+        raise ConfigError("delta", delta, "must be > 0: the margin in tokens per call within which two rules are "
+                          "called equivalent")
 
 
 def check_model_path(side: str, model: DictConfig) -> None:

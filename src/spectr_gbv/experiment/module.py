@@ -23,6 +23,7 @@ from spectr_gbv.decoding.engine import DecodeRecord, IterationHook, SpeculativeE
 from spectr_gbv.decoding.precision import machine
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.experiment import records
+from spectr_gbv.errors import ModelUnavailable
 from spectr_gbv.experiment.config import Knobs
 from spectr_gbv.experiment.metrics import COUNTERS, RECORD_TIMES, aggregate, counters, scalars
 
@@ -52,10 +53,10 @@ class SpeculativeEvaluation(LightningModule):
     # ---- setup: models, engines, what earlier attempts already recorded -------------------------------------
     def setup(self, stage: str) -> None:
         hp, knobs = self.hparams, self.knobs
-        self.target = instantiate(hp.model_config)()
+        self.target = load("model", hp.model_config)
         drafter = None
         if hp.verifier != "ar":  # plain decoding needs no drafter: do not load one
-            drafter = instantiate(hp.drafter_config)()  # the engine refuses one with another tokenizer
+            drafter = load("drafter", hp.drafter_config)  # the engine refuses one with another tokenizer
         self.drafter = drafter
         self.engine = SpeculativeEngine(self.target, drafter, hp.verifier, knobs.num_drafts, knobs.block_length,
                                         self.sampling)
@@ -133,6 +134,11 @@ class SpeculativeEvaluation(LightningModule):
         """What a finished prompt's record holds besides the decode's fields (the arena's contexts); none here."""
         return {}
 
+    def summary_sections(self) -> dict:
+        """What summary.json holds besides the metrics, from the merged records (the arena's comparison); none
+        here. Rank 0 only, before the one write of summary.json."""
+        return {}
+
     def stop_requested(self) -> bool:
         """Lightning's SIGTERM handler only flags the trainer and its loop checks between batches, which can take
         minutes: the engine checks the flag between iterations instead."""
@@ -172,6 +178,7 @@ class SpeculativeEvaluation(LightningModule):
         self.log_dict(scalars(metrics), sync_dist=True)
         if self.trainer.is_global_zero:
             records.merge_rank_files(self.output_dir)
+            self.summary.update(self.summary_sections())
             records.write_summary(self.output_dir, self.summary)
 
     def machines(self) -> str:
@@ -198,6 +205,14 @@ class SpeculativeEvaluation(LightningModule):
     def teardown(self, stage: str) -> None:
         if hasattr(self, "predictions"):
             os.close(self.predictions)
+
+
+def load(side: str, config: dict):
+    """The model of conf's `side` (model, drafter); a model the hub cannot give names the key to change."""
+    try:
+        return instantiate(config)()
+    except ModelUnavailable as error:
+        raise ModelUnavailable(f"{side}.{error}") from error
 
 
 def record_fields(out: DecodeRecord) -> dict:

@@ -254,55 +254,118 @@ def forest_plot(entries: list[dict], path: Path,
     plt.close(figure)
 
 
-RESOLUTION = 0.01  # tokens per iteration: the lossless K = 3 rules differ by about 0.02 (docs/results.md §6)
-
-
-def contexts_needed(contexts: int, difference: dict) -> int:
-    """Contexts that would narrow this paired interval to +-RESOLUTION: its width falls as 1/sqrt(contexts)."""
-    half_width = (difference["high"] - difference["low"]) / 2
-    return math.ceil(contexts * (half_width / RESOLUTION) ** 2)
-
-
 def arena_tables(folder: Path) -> tuple[str, list[dict]]:
-    """Each verifier-arena job (mode=arena) below the folder: per verifier@k over all its contexts (its setting beside
-    it, so that a results page's rows name their job), E[tau] given the drafts with its standard error, the paired
-    difference against the reference verifier at the same k with its 95% bootstrap interval and the contexts that
-    would narrow it to +-RESOLUTION, the first-token
-    acceptance beside the optimal-transport bound alpha* and the ms per call; the reference decode's cost above it.
-    Returns the Markdown and the intervals (for the forest plot)."""
+    """Each verifier-arena job (mode=arena) below the folder, every interval over prompts (the sampling unit): per
+    verifier@k (its setting beside it, so that a results page's rows name their job) its state, E[tau] given the
+    drafts with its 95% interval and design effect, the difference against the reference at the same k with its
+    verdict and the prompts an open one would need, the first-token acceptance beside the optimal-transport bound
+    alpha* and the ms per context; the reference decode's cost and the scoring's above it. Then per k the verdict
+    matrix of every pair, E[tau] per dataset with the orderings that flip between datasets, a stateful rule's
+    state cost and the consistency check of the decode. Returns the Markdown and the intervals (forest plot)."""
     text, entries = [], []
     for path in sorted(folder.rglob("summary.json"), key=job_order):
         summary = json.loads(path.read_text())
         if "arena" not in summary or "overall" not in summary["arena"]["datasets"]:
             continue
-        reference, overall = summary["arena"]["reference"], summary["arena"]["datasets"]["overall"]
+        arena = summary["arena"]
         setting = f"L={summary['block_length']} T={summary['temperature']}"
-        decode = overall["decode"]
-        verify = decode["verify_ms_per_iteration"]
-        text += [f"Verifier arena ({path.parent.relative_to(folder)}): {summary['model']} <- {summary['drafter']}, "
-                 f"{setting}, drafts of {reference} K={summary['num_drafts']} over {decode['prompts']} prompts "
-                 f"({decode['iterations']} contexts); that decode took {decode['ms_per_iteration']:.1f} ms per "
-                 f"iteration ({'-' if verify is None else f'{verify:.1f}'} ms in its verifier), block efficiency "
-                 f"{decode['block_efficiency']:.2f}. E[tau] given the drafts (± standard error over contexts; "
-                 "exact, or a mean of replicas where marked ~):", "",
-                 f"| verifier@k | setting | contexts | E[tau] | vs reference@k [95%] | contexts for ±{RESOLUTION} "
-                 "| first-token acceptance | alpha* | ms/call |", "|" + "---|" * 9]
-        for name, row in overall["verifiers"].items():
-            found = row["difference"]
-            se = "" if row["expected_accepted_se"] is None else f" ± {row['expected_accepted_se']:.3f}"
-            difference, needed = "", ""
-            if found is not None:
-                difference = f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]"
-                needed = f"{contexts_needed(row['contexts'], found):,}"
-            text.append(f"| {name}{'' if row['exact'] else ' ~'} | {setting} | {row['contexts']} | "
-                        f"{row['expected_accepted']:.3f}{se} | {difference} | {needed} | "
-                        f"{row['first_token_acceptance']:.3f} | {row['alpha_star']:.3f} | {row['ms_per_call']:.2f} |")
-            if found is not None:
-                k = name.rpartition("@")[2]
-                entries.append({"label": f"{name} - {reference}@{k}", "setting": setting,
-                                "intervals": {"overall": found}})
-        text.append("")
+        text += arena_verifier_table(arena, summary, setting, path.parent.relative_to(folder))
+        text += verdict_matrices(arena, setting) + dataset_table_of_arena(arena, setting) + state_lines(arena)
+        reference = arena["reference"]
+        for name, row in arena["datasets"]["overall"]["verifiers"].items():
+            if row["difference"] is not None:
+                entries.append({"label": f"{name} - {reference}@{name.rpartition('@')[2]}", "setting": setting,
+                                "intervals": {"overall": row["difference"]}})
     return "\n".join(text), entries
+
+
+def arena_verifier_table(arena: dict, summary: dict, setting: str, job: Path) -> list[str]:
+    reference, overall = arena["reference"], arena["datasets"]["overall"]
+    decode = overall["decode"]
+    verify = decode["verify_ms_per_iteration"]
+    scoring = decode.get("scoring_ms_per_context")
+    cost = "" if scoring is None else f"; scoring took {scoring:.0f} ms per context ({decode['scoring_share']:.0%})"
+    verify = "-" if verify is None else f"{verify:.1f}"
+    lines = [f"Verifier arena ({job}): {summary['model']} <- {summary['drafter']}, {setting}, drafts of {reference} "
+             f"K={summary['num_drafts']} over {decode['prompts']} prompts ({decode['iterations']} contexts); that "
+             f"decode took {decode['ms_per_iteration']:.1f} ms per iteration ({verify} ms in its verifier){cost}, "
+             f"block efficiency {decode['block_efficiency']:.2f}. E[tau] given the drafts (exact, or a mean of "
+             f"replicas where marked ~), 95% intervals over prompts; verdicts within ±{arena['delta']}:", "",
+             "| verifier@k | setting | state | prompts | contexts | E[tau] [95%] | design effect "
+             "| vs reference@k [95%] | verdict | prompts needed | first-token acceptance | alpha* | ms/context |",
+             "|" + "---|" * 13]
+    for name, row in overall["verifiers"].items():
+        found = row["difference"]
+        difference = "" if found is None else f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]"
+        lines.append(f"| {name}{'' if row['exact'] else ' ~'} | {setting} | {row['state']} | {row['prompts']} | "
+                     f"{row['contexts']} | {row['expected_accepted']:.3f} [{row['expected_accepted_low']:.3f}, "
+                     f"{row['expected_accepted_high']:.3f}] | {design_cell(row['design_effect'])} | {difference} | "
+                     f"{row['verdict'] or ''} | {needed_cell(row['prompts_needed'])} | "
+                     f"{row['first_token_acceptance']:.3f} | {row['alpha_star']:.3f} | {row['ms_per_context']:.1f} |")
+    return lines + [""]
+
+
+def design_cell(effect: float | None) -> str:
+    return "" if effect is None else f"{effect:.1f}"
+
+
+def needed_cell(prompts: int | None) -> str:
+    return "" if prompts is None else f"{prompts:,}"
+
+
+def verdict_matrices(arena: dict, setting: str) -> list[str]:
+    """Per k, every pair's overall verdict, row minus column (`open (N)`: N prompts would settle it)."""
+    lines = []
+    for k in sorted({pair["k"] for pair in arena["pairs"]}):
+        at_k = [pair for pair in arena["pairs"] if pair["k"] == k]
+        names = list(dict.fromkeys([pair["a"] for pair in at_k] + [pair["b"] for pair in at_k]))
+        cells = {(pair["a"], pair["b"]): pair["datasets"]["overall"] for pair in at_k}
+        lines += [f"Arena verdicts at k={k} ({setting}), row minus column over prompts, ±{arena['delta']}:", "",
+                  "| verdicts at k=" + str(k) + f" {setting} | " + " | ".join(names[1:]) + " |",
+                  "|" + "---|" * len(names)]
+        for a in names[:-1]:
+            row = [verdict_cell(cells[a, b]) if (a, b) in cells else "" for b in names[1:]]
+            lines.append(f"| {a} | " + " | ".join(row) + " |")
+        lines.append("")
+    return lines
+
+
+def verdict_cell(difference: dict) -> str:
+    found = f"{difference['verdict']} {difference['mean']:+.3f}"
+    return found + (f" ({difference['prompts_needed']:,})" if difference["prompts_needed"] else "")
+
+
+def dataset_table_of_arena(arena: dict, setting: str) -> list[str]:
+    """E[tau] per dataset for each verifier@k, and the pairs resolved in opposite directions in two datasets."""
+    datasets = [name for name in arena["datasets"] if name != "overall"]
+    if len(datasets) < 2:
+        return []
+    lines = [f"Arena E[tau] by dataset ({setting}):", "", f"| E[tau] by dataset {setting} | " + " | ".join(datasets)
+             + " |", "|" + "---|" * (len(datasets) + 1)]
+    for name in arena["datasets"]["overall"]["verifiers"]:
+        values = [arena["datasets"][d]["verifiers"].get(name) for d in datasets]
+        lines.append(f"| {name} | " + " | ".join("" if v is None else f"{v['expected_accepted']:.3f}"
+                                                 for v in values) + " |")
+    flips = [f"{pair['a']} - {pair['b']}" for pair in arena["pairs"]
+             if {"above", "below"} <= {pair["datasets"][d]["verdict"] for d in datasets if d in pair["datasets"]}]
+    return lines + ["", f"Orderings resolved in opposite directions in two datasets ({setting}): "
+                    f"{', '.join(flips) if flips else 'none'}.", ""]
+
+
+def state_lines(arena: dict) -> list[str]:
+    """A stateful rule's state cost, and whether the decode's realised tau matches the reference's E[tau]."""
+    lines = [f"State cost of {name} ({d['overall']['prompts']} prompts): carried minus fresh {interval_text(d)}."
+             for name, d in arena["state_cost"].items()]
+    found = arena["consistency"]
+    if found is not None:
+        lines.append(f"Consistency: the decode's realised tau minus {found['verifier']}'s E[tau] "
+                     f"{interval_text(found['datasets'])}: {'holds' if found['holds'] else 'FAILS'}.")
+    return lines + ([""] if lines else [])
+
+
+def interval_text(differences: dict) -> str:
+    overall = differences["overall"]
+    return f"{overall['mean']:+.3f} [{overall['low']:+.3f}, {overall['high']:+.3f}]"
 
 
 def dataset_bars(rows: list[dict], path: Path) -> bool:

@@ -43,6 +43,9 @@ class Verifier:
     name: ClassVar[str]
     lossless: ClassVar[bool] = True
     max_drafts: ClassVar[int | None] = None  # 1 for single-draft verifiers, None for any K
+    # True where losslessness needs the state carried into later calls (gbv's target modification, docs/algorithms.md
+    # §4.2): a score from a fresh state then measures another rule, so the arena scores it with the carried state
+    carries_state: ClassVar[bool] = False
 
     def __call__(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
                  generator: Generators = None, state: Any = None) -> VerifierOutput:
@@ -68,9 +71,9 @@ class Verifier:
 
     def accepted_law(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> Tensor | None:
         """The law of tau given these drafts, P(num_accepted = i), i = 0..L [B, L+1], with the verifier's uniforms
-        integrated out, from a fresh state (state=None): E[tau | drafts] and the first-token acceptance P(tau >= 1)
-        without sampling noise. None where no closed form is written; the verifier arena then averages replicas of
-        calls (spectr_gbv.experiment.arena)."""
+        integrated out: E[tau | drafts] and the first-token acceptance P(tau >= 1) without sampling noise. A rule that
+        carries_state takes `state=` too (what its previous call returned for these rows; None: fresh). None where no
+        closed form is written; the verifier arena then averages replicas of calls (spectr_gbv.experiment.arena)."""
         return None
 
 

@@ -211,6 +211,7 @@ def draft_agreement(rows: slice | Tensor, p: Tensor, q: Tensor, x: Tensor, log_s
 
 class GreedyBlockVerifier(Verifier):
     name = "gbv"
+    carries_state = True  # the pending levels (§4.2, §4.4)
 
     def verify(self, draft_tokens, draft_probs, target_probs, generator, state):
         tokens, q, p = draft_tokens, draft_probs, target_probs  # §4's letters, so the level algebra reads as there
@@ -270,14 +271,20 @@ class GreedyBlockVerifier(Verifier):
         )
         return VerifierOutput(accepted, draft_index, next_token, compact(pending))
 
-    def accepted_law(self, draft_tokens, draft_probs, target_probs):
-        """One draft: the greedy coupling's own h (§4.1) from a fresh state. Several: None, RGBV's chain of
-        residual levels has no closed form written here."""
+    def accepted_law(self, draft_tokens, draft_probs, target_probs, state=None):
+        """One draft: the greedy coupling's own h (§4.1) against the target with the state's pending levels in force
+        (§4.4; none from a fresh state), as verify() computes it for its first draft, whose t_1 is tau. Several:
+        None, RGBV's chain of residual levels has no closed form written here."""
         if draft_tokens.shape[1] > 1:
             return None
         x, q, L = draft_tokens[:, 0], draft_probs[:, 0], draft_tokens.shape[-1]
         log_s = torch.cat([torch.zeros_like(q[:, :1, 0]), token_probs(q, x).log().cumsum(-1)], -1)
-        return last_success_law(greedy_acceptance(target_probs[:, 0, :L], q, x, log_s, L))
+        cond, levels = target_probs[:, 0, :L], pending_to_levels(state, draft_tokens)
+        if levels:
+            cond = cond.clone()  # the levels are written into it
+            apply_levels_(cond, q, x, log_s, levels, Scratch(q, x.shape[0] * L * q.shape[-1]),
+                          reach=torch.full_like(x[:, 0], L))
+        return last_success_law(greedy_acceptance(cond, q, x, log_s, L))
 
 
 def live_nodes(common: Tensor, anchors: list[tuple[int, Tensor]], block_length: int) -> Tensor:
