@@ -101,7 +101,17 @@ def test_a_run_ends_with_a_short_summary(tmp_path):
     table = "\n".join(lines[-12:])
     assert "block" in table and "± " in table and "tokens/s" in table
     assert "Tip" not in done.stderr + done.stdout and "LeafSpec" not in done.stderr  # third-party noise
+    assert "tip:" not in done.stdout  # no quantized drafter to suggest for a tiny model
     assert "test_metric" not in done.stdout.lower() and "DataLoader 0" not in done.stdout  # Lightning's raw table
+
+
+def test_the_quantized_drafter_tip_is_for_real_models_only(monkeypatch):
+    from spectr_gbv.experiment import callbacks
+
+    monkeypatch.setattr(callbacks, "this_cpu", lambda: "AVX512-BF16")  # a class where an int8 drafter paid
+    real = {"_target_": "spectr_gbv.decoding.gguf_packages.packaged", "device": "cpu", "quantize": None}
+    assert callbacks.drafter_tip(real).startswith("tip: on CPUs of class AVX512-BF16, drafter.dtype=bfloat16")
+    assert callbacks.drafter_tip({**real, "_target_": callbacks.TINY_LOADER}) is None
 
 
 def test_ddp_on_cpu_equals_one_process(single, tmp_path):
