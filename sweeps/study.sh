@@ -60,13 +60,19 @@ audit() {  # exact audit on distributions of the real pair: 20 contexts, top-6 t
   $PY -m spectr_gbv.tools.audit --real --json $OUT/audit/real.json
 }
 
-arena() {  # every verifier on the gbv decode's drafts (mode=arena): K = 4, so every k <= 4 from the same decode, x
-           # L = 4, 8 x T = 0.4, 1.0, the five datasets. float32 on oneDNN, named: the arena compares verifiers on the
-           # contexts of one decode, and this precision decodes fastest where bfloat16 is emulated (docs/performance.md)
-  local ARENA="mode=arena dataset=all limit=$LIMIT max_new_tokens=${ARENA_TOKENS:-128} num_drafts=4 batch_size=8"
-  ARENA="$ARENA replicas=${REPLICAS:-8} logger=none"
-  ARENA="$ARENA model.dtype=float32 model.linear_kernel=onednn drafter.dtype=float32 drafter.linear_kernel=onednn"
-  $PY $RUN -m $ARENA block_length=4,8 temperature=0.4,1.0 hydra.sweep.dir=$OUT/arena
+arena() {  # every verifier on the drafts of gbv's own decodes (mode=arena), scored with the state gbv carries: decodes at
+           # K = ARENA_K (1 and 4) x L = 4, 8 x T = 0.4, 1.0, the five datasets, LIMIT prompts each. A decode at K scores
+           # every stateless rule at every k <= K and gbv at K (carried and fresh). Then bv's own decode at L=4 T=1.0
+           # (ARENA_BV=0 skips it): its contexts against gbv's, for rules the decode's path could favour.
+  local ARENA="mode=arena dataset=all limit=$LIMIT max_new_tokens=${ARENA_TOKENS:-128} batch_size=8"
+  ARENA="$ARENA replicas=${REPLICAS:-8} logger=none $PAIR"
+  for k in ${ARENA_K:-1 4}; do
+    $PY $RUN -m $ARENA verifier=gbv num_drafts=$k block_length=4,8 temperature=0.4,1.0 hydra.sweep.dir=$OUT/arena/k$k
+  done
+  if [ "${ARENA_BV:-1}" = 1 ]; then
+    $PY $RUN -m $ARENA verifier=bv num_drafts=1 block_length=4 temperature=1.0 "verifiers=[bv]" \
+      hydra.sweep.dir=$OUT/arena/bv
+  fi
 }
 
 for part in ${@:-main ablation temperature speed audit arena}; do
