@@ -314,3 +314,23 @@ def test_gbvs_law_with_a_carried_state_is_the_law_of_its_calls():
         law = gbv.accepted_law(*second, state=state).mean(0)
         p_value = law_p_value(taus, {(i,): float(mass) for i, mass in enumerate(law)})
         assert (p_value > 1e-3) if fits else (p_value < 1e-6), (state is not None, p_value)
+
+
+def test_the_report_checks_a_rules_scores_on_another_decode_against_its_own(tmp_path):
+    """bv scored on gbv's decode against bv's own decode of the same prompts, in the report of both jobs."""
+    from spectr_gbv.tools.report import arena_tables
+
+    for job, reference in (("gbv", "gbv"), ("bv", "bv")):
+        recorded, arena = tiny_arena(reference, 1, ["bv"], max_new_tokens=32)
+        folder = tmp_path / job
+        folder.mkdir()
+        (folder / "predictions.jsonl").write_text("".join(
+            json.dumps({"dataset": dataset, "prompt_id": prompt, **record}) + "\n"
+            for (dataset, prompt), record in recorded.items()))
+        (folder / "summary.json").write_text(json.dumps(
+            {"num_drafts": 1, "block_length": 4, "temperature": 1.0, "model": "tiny", "drafter": "tiny'",
+             "arena": arena}))
+    markdown, _ = arena_tables(tmp_path)
+    [line] = [line for line in markdown.splitlines() if line.startswith("Contexts check")]
+    assert line.startswith(f"Contexts check (L=4 T=1.0): bv@1's E[tau] on the gbv@1 decode minus its own decode's "
+                           f"realised tau, {len(PROMPTS)} prompts: ")

@@ -107,12 +107,12 @@ def arena_table(arena: dict):
                                        f"{decode['ms_per_iteration']:.0f} ms per iteration")
     table = Table(title=f"arena: {decode['prompts']} prompts, {decode['iterations']} contexts, against "
                         f"{arena['reference']}@k, equivalent within ±{arena['delta']}{cost}", title_justify="left")
-    for column in ("verifier@k", "E[tau]", "vs reference [95%]", "verdict", "alpha*", "ms"):
+    for column in ("verifier@k", "E[tau]", "vs ref@k [95%]", "verdict", "alpha*", "ms"):
         first = column == "verifier@k"  # whole names: a cut one can hide which rule a row is
         table.add_column(escape(column), justify="left" if first else "right", no_wrap=first)
     for name, row in overall["verifiers"].items():
         found = row["difference"]
-        difference = "" if found is None else f"{found['mean']:+.3f} ± {(found['high'] - found['low']) / 2:.3f}"
+        difference = "" if found is None else f"{found['mean']:+.3f} ±{(found['high'] - found['low']) / 2:.3f}"
         needed = "" if row["prompts_needed"] is None else f" ({row['prompts_needed']:,})"
         table.add_row(name + ("" if row["exact"] else " ~"), f"{row['expected_accepted']:.3f}", difference,
                       (row["verdict"] or "") + needed, f"{row['alpha_star']:.3f}", f"{row['ms_per_context']:.1f}")

@@ -262,11 +262,12 @@ def arena_tables(folder: Path) -> tuple[str, list[dict]]:
     alpha* and the ms per context; the reference decode's cost and the scoring's above it. Then per k the verdict
     matrix of every pair, E[tau] per dataset with the orderings that flip between datasets, a stateful rule's
     state cost and the consistency check of the decode. Returns the Markdown and the intervals (forest plot)."""
-    text, entries = [], []
+    text, entries, jobs = [], [], []
     for path in sorted(folder.rglob("summary.json"), key=job_order):
         summary = json.loads(path.read_text())
         if "arena" not in summary or "overall" not in summary["arena"]["datasets"]:
             continue
+        jobs.append((path.parent, summary))
         arena = summary["arena"]
         setting = f"L={summary['block_length']} T={summary['temperature']}"
         text += arena_verifier_table(arena, summary, setting, path.parent.relative_to(folder))
@@ -276,7 +277,34 @@ def arena_tables(folder: Path) -> tuple[str, list[dict]]:
             if row["difference"] is not None:
                 entries.append({"label": f"{name} - {reference}@{name.rpartition('@')[2]}", "setting": setting,
                                 "intervals": {"overall": row["difference"]}})
-    return "\n".join(text), entries
+    return "\n".join(text + cross_decode_lines(jobs)), entries
+
+
+def cross_decode_lines(jobs: list[tuple[Path, dict]]) -> list[str]:
+    """Whether a decode's path favours a rule: a rule's E[tau] over another reference's decode against the rule's
+    own decode of the same prompts in the same setting (realised tau), each side over its own contexts."""
+    lines = []
+    for own_folder, own in jobs:
+        rule = f"{own['arena']['reference']}@{own['num_drafts']}"
+        for other_folder, other in jobs:
+            same = all(own[key] == other[key] for key in ("block_length", "temperature", "model", "drafter"))
+            if other is own or not same or rule not in other["arena"]["datasets"]["overall"]["verifiers"]:
+                continue
+            scored = arena_values(other_folder, lambda c: c["verifiers"][rule]["expected_accepted"])
+            realised = arena_values(own_folder, lambda c: c["accepted"])
+            found = paired_difference(scored, realised, paired=False)
+            if found:
+                lines.append(f"Contexts check (L={own['block_length']} T={own['temperature']}): {rule}'s E[tau] on "
+                             f"the {other['arena']['reference']}@{other['num_drafts']} decode minus its own decode's "
+                             f"realised tau, {found['overall']['prompts']} prompts: {interval_text(found)}.")
+    return lines + ([""] if lines else [])
+
+
+def arena_values(job: Path, value) -> dict:
+    """value(context) per arena context of a job's records, keyed (dataset, prompt_id, iteration)."""
+    return {(dataset, prompt_id, context["iteration"]): value(context)
+            for (dataset, prompt_id), record in read_records(job).items() for context in record.get("arena", [])
+            if "accepted" in context}
 
 
 def arena_verifier_table(arena: dict, summary: dict, setting: str, job: Path) -> list[str]:
