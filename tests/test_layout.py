@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "spectr_gbv"
 LAYERS = ["verifiers", "decoding", "experiment", "tools"]  # bottom to top; errors.py sits below them all
 
@@ -49,3 +51,8 @@ def test_every_command_line_refuses_an_unknown_flag(tool, capsys):
         importlib.import_module(f"spectr_gbv.{tool}").main(["--anything"])
     error = capsys.readouterr().err
     assert exit_.value.code == 2 and error.startswith(f"usage: python -m spectr_gbv.{tool}")
+
+
+def test_the_readme_stays_a_guide():
+    """README.md is the user's guide, not the project's history: measurements live in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
