@@ -76,13 +76,13 @@ def test_strata_keep_their_prompts_and_the_estimate_is_the_mean_over_contexts():
     found = paired_difference(a)
     contexts = list(a.values())
     assert found["overall"]["mean"] == pytest.approx(np.mean(contexts))
-    assert found["y"]["low"] == found["y"]["high"] == 10.0  # one prompt: nothing to resample
+    assert found["y"]["low"] is None  # one prompt: nothing to resample
     assert found["x"]["prompts"] == 5 and found["overall"]["prompts"] == 6
 
 
 @pytest.mark.parametrize("low, high, expected", [
     (0.001, 0.05, "above"), (-0.05, -0.001, "below"), (-0.015, 0.012, "equivalent"), (-0.03, 0.01, "open"),
-    (-0.01, 0.04, "open")])
+    (-0.01, 0.04, "open"), (1e-17, 3e-17, "equivalent")])  # the last: one law, rounded two ways
 def test_a_verdict_says_what_the_interval_shows(low, high, expected):
     found = verdict({"mean": (low + high) / 2, "low": low, "high": high, "prompts": 100}, delta=0.02)
     assert found["verdict"] == expected
@@ -94,3 +94,14 @@ def test_prompts_needed_narrow_an_open_interval_until_it_resolves():
     resolves once the half-width is below 0.03."""
     assert verdict({"mean": 0.0, "low": -0.04, "high": 0.04, "prompts": 100}, 0.02)["prompts_needed"] == 400
     assert verdict({"mean": 0.03, "low": -0.03, "high": 0.09, "prompts": 100}, 0.02)["prompts_needed"] == 400
+
+
+def test_one_prompt_a_dataset_shows_no_spread_until_its_strata_are_pooled():
+    """A dataset of one prompt has nothing to resample: its own interval is undefined (and open), while overall the
+    lone prompts are pooled into one stratum, so five datasets of one prompt each still give an interval."""
+    rng = np.random.default_rng(2)
+    values = {(f"d{d}", 0, i): rng.standard_normal() + d for d in range(5) for i in range(10)}
+    found = paired_difference(values)
+    assert found["d0"]["low"] is None and found["d0"]["se"] is None
+    assert verdict(found["d0"], 0.02) == {"verdict": "open", "prompts_needed": None}
+    assert found["overall"]["low"] < found["overall"]["mean"] < found["overall"]["high"]

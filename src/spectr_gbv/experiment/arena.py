@@ -281,7 +281,8 @@ def consistency(contexts: dict, expected: dict[str, dict], reference: str) -> di
     name = max(scored, key=num_drafts_of)  # the decode's own k
     differences = paired_difference(realised, expected[name])
     overall = differences["overall"]
-    return {"verifier": name, "holds": overall["low"] <= 0 <= overall["high"], "datasets": differences}
+    holds = overall["low"] is not None and overall["low"] <= 0 <= overall["high"]
+    return {"verifier": name, "holds": holds, "datasets": differences}
 
 
 def decode_cost(decoded: list[dict]) -> dict:

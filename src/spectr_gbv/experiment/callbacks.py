@@ -112,7 +112,8 @@ def arena_table(arena: dict):
         table.add_column(escape(column), justify="left" if first else "right", no_wrap=first)
     for name, row in overall["verifiers"].items():
         found = row["difference"]
-        difference = "" if found is None else f"{found['mean']:+.3f} ±{(found['high'] - found['low']) / 2:.3f}"
+        half = "n/a" if found is None or found["low"] is None else f"{(found['high'] - found['low']) / 2:.3f}"
+        difference = "" if found is None else f"{found['mean']:+.3f} ±{half}"
         needed = "" if row["prompts_needed"] is None else f" ({row['prompts_needed']:,})"
         table.add_row(name + ("" if row["exact"] else " ~"), f"{row['expected_accepted']:.3f}", difference,
                       (row["verdict"] or "") + needed, f"{row['alpha_star']:.3f}", f"{row['ms_per_context']:.1f}")

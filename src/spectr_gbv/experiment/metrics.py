@@ -81,34 +81,48 @@ def paired_difference(a: dict, b: dict | None = None, paired: bool = True, resam
     is the mean over contexts (a ratio of sums over prompts) and the interval counts contexts of one prompt as the
     correlated draws they are. paired: only keys in both are kept (the same contexts); else every key of a prompt
     present in both (two decodes of the same prompts, each with contexts of its own). b None: a's mean alone.
-    Returns, per dataset and "overall" (datasets resampled as strata): {"prompts", "contexts", "mean", "low",
-    "high", "se", "design_effect"}: se is the bootstrap's standard deviation, the interval mean +- t se with Student's
-    t at prompts - datasets degrees of freedom (with 20 prompts a dataset a percentile interval covers a known truth
-    in about 92% of simulated studies, this one in 94-95%: tests/test_statistics.py), design_effect se^2 over the
-    variance the same estimate would have if contexts were independent draws (1 for one value per prompt)."""
+    Returns, per dataset and "overall" (datasets resampled as strata, those of one prompt pooled): {"prompts",
+    "contexts", "mean", "low", "high", "se", "design_effect"}: se is the bootstrap's standard deviation, the interval
+    mean +- t se with Student's t at prompts - strata degrees of freedom (with 20 prompts a dataset a percentile
+    interval covers a known truth in about 92% of simulated studies, this one in 94%: tests/test_statistics.py), and
+    design_effect se^2 over the variance the same estimate would have if contexts were independent draws
+    (docs/algorithms.md §16.2)."""
     if b is not None and paired:  # the same contexts: their differences are one side
         a, b = {key: a[key] - b[key] for key in a if key in b}, None
     sides = [prompt_sums(a)] + ([] if b is None else [prompt_sums(b)])
     prompts = sorted(set.intersection(*(set(side) for side in sides)))
     rng = np.random.default_rng(seed)
-    strata: dict[str, list] = {}
+    datasets: dict[str, list] = {}
     for prompt in prompts:
-        strata.setdefault(prompt[0], []).append(prompt)
-    result, overall = {}, [np.zeros((2, resamples)) for _ in sides]
-    for name, members in strata.items():
-        # Rao and Wu's bootstrap: n - 1 of a stratum's n prompts, each counted n / (n - 1) times, so the bootstrap
-        # variance is not the plain bootstrap's, too small by (n - 1) / n with the 20 prompts of a dataset.
-        drawn_per_resample = max(len(members) - 1, 1)
-        draws = rng.integers(0, len(members), size=(resamples, drawn_per_resample))
-        sums = [np.array([side[prompt] for prompt in members]).T for side in sides]  # [3, prompts]: sum, count, sq
-        drawn = [s[:2, draws].sum(-1) * (len(members) / drawn_per_resample) for s in sums]  # [2, resamples] each
-        for total, d in zip(overall, drawn):
-            total += d
-        result[name] = estimate_interval(sums, drawn)
+        datasets.setdefault(prompt[0], []).append(prompt)
+    result = {name: bootstrap([members], sides, rng, resamples) for name, members in datasets.items()}
     if prompts:
-        every = [np.array([side[prompt] for prompt in prompts]).T for side in sides]
-        result["overall"] = estimate_interval(every, overall, strata)
+        result["overall"] = bootstrap(collapse_lone_prompts(list(datasets.values())), sides, rng, resamples)
     return result
+
+
+def collapse_lone_prompts(strata: list[list]) -> list[list]:
+    """Strata of one prompt pooled (with each other, or else into the first stratum): within a stratum of one prompt
+    there is nothing to resample, and keeping it would leave its share of the variance out of the interval."""
+    kept, lone = [list(s) for s in strata if len(s) > 1], [s[0] for s in strata if len(s) == 1]
+    if len(lone) > 1 or not kept:
+        return kept + ([lone] if lone else [])
+    return [kept[0] + lone, *kept[1:]]
+
+
+def bootstrap(strata: list[list], sides: list[dict], rng, resamples: int) -> dict:
+    """The estimate and its interval over these strata of prompts. Rao and Wu's bootstrap: each resample draws n - 1
+    of a stratum's n prompts, each counted n / (n - 1) times, so the bootstrap variance is not the plain bootstrap's,
+    too small by (n - 1) / n with the 20 prompts of a dataset."""
+    drawn = [np.zeros((2, resamples)) for _ in sides]
+    for members in strata:
+        per_resample = max(len(members) - 1, 1)
+        draws = rng.integers(0, len(members), size=(resamples, per_resample))
+        for total, side in zip(drawn, sides):
+            sums = np.array([side[prompt] for prompt in members]).T  # [3, prompts]: sum, count, sum of squares
+            total += sums[:2, draws].sum(-1) * (len(members) / per_resample)
+    every = [np.array([side[prompt] for members in strata for prompt in members]).T for side in sides]
+    return estimate_interval(every, drawn, [len(members) for members in strata])
 
 
 def prompt_sums(values: dict) -> dict[tuple, tuple[float, int, float]]:
@@ -122,27 +136,28 @@ def prompt_sums(values: dict) -> dict[tuple, tuple[float, int, float]]:
     return {prompt: tuple(found) for prompt, found in sums.items()}
 
 
-def estimate_interval(sums: list[np.ndarray], drawn: list[np.ndarray], strata: dict | None = None) -> dict:
-    """The estimate (a's mean over contexts, minus b's) and its bootstrap interval from the sides' per-prompt sums
-    [3, prompts] and their resampled sums [2, resamples]; strata: the prompts by dataset, for the variance of the
-    context-level estimate stratified as the bootstrap is (None: one stratum)."""
+def estimate_interval(sums: list[np.ndarray], drawn: list[np.ndarray], widths: list[int]) -> dict:
+    """The estimate (a's mean over contexts, minus b's) and its interval from the sides' per-prompt sums [3, prompts]
+    (stratum after stratum, of widths prompts each) and their resampled sums [2, resamples]. With no more prompts than
+    strata the spread is not estimable: se, low and high are None."""
     sign = [1.0, -1.0]
-    mean = sum(sg * s[0].sum() / s[1].sum() for sg, s in zip(sign, sums))
-    bootstrap = sum(sg * d[0] / d[1] for sg, d in zip(sign, drawn))
-    se = float(bootstrap.std(ddof=1))
-    half = se * student_t.ppf(0.975, max(sums[0].shape[1] - (len(strata) if strata else 1), 1))
-    low, high = mean - half, mean + half
-    independent = context_level_variance(sums, strata)
-    return {"prompts": int(sums[0].shape[1]), "contexts": int(sums[0][1].sum()), "mean": float(mean),
-            "low": float(low), "high": float(high), "se": se,
+    mean = float(sum(sg * s[0].sum() / s[1].sum() for sg, s in zip(sign, sums)))
+    found = {"prompts": int(sums[0].shape[1]), "contexts": int(sums[0][1].sum()), "mean": mean, "low": None,
+             "high": None, "se": None, "design_effect": None}
+    freedom = sums[0].shape[1] - len(widths)
+    if freedom < 1:
+        return found
+    se = float(sum(sg * d[0] / d[1] for sg, d in zip(sign, drawn)).std(ddof=1))
+    half = se * float(student_t.ppf(0.975, freedom))
+    independent = context_level_variance(sums, widths)
+    return {**found, "low": mean - half, "high": mean + half, "se": se,
             "design_effect": float(se**2 / independent) if independent > 0 else None}
 
 
-def context_level_variance(sums: list[np.ndarray], strata: dict | None) -> float:
+def context_level_variance(sums: list[np.ndarray], widths: list[int]) -> float:
     """The variance of the estimate if its contexts were independent draws within each stratum: for a side of N
     contexts in strata of N_d with variance s_d^2, sum_d (N_d / N)^2 s_d^2 / N_d; the sides' variances add. A paired
     difference is one side (its values are the differences)."""
-    widths = [len(members) for members in strata.values()] if strata else [sums[0].shape[1]]
     bounds = np.cumsum([0, *widths])
     variance = 0.0
     for s in sums:
@@ -156,6 +171,7 @@ def context_level_variance(sums: list[np.ndarray], strata: dict | None) -> float
 
 
 VERDICTS = ("above", "below", "equivalent", "open")
+ROUNDING = 1e-9  # differences this small are float rounding of equal laws (the exact laws' pins hold to it)
 
 
 def verdict(difference: dict, delta: float) -> dict:
@@ -164,7 +180,11 @@ def verdict(difference: dict, delta: float) -> dict:
     1/sqrt(prompts) about the same mean, would either exclude 0 or fit inside +-delta."""
     low, high, mean = difference["low"], difference["high"], difference["mean"]
     needed = None
-    if low > 0:
+    if low is None:  # one prompt a stratum: nothing shows the spread
+        return {"verdict": "open", "prompts_needed": None}
+    if max(-low, high) < ROUNDING:  # the same law computed in another order: not an ordering
+        found = "equivalent"
+    elif low > 0:
         found = "above"
     elif high < 0:
         found = "below"

@@ -216,7 +216,7 @@ def paired_table(rows: list[dict], folder: Path) -> tuple[str, list[dict]]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for entry in entries:
         found = entry["intervals"]
-        cells = [f"{found[n]['mean']:+.2f} [{found[n]['low']:+.2f}, {found[n]['high']:+.2f}]" if n in found else ""
+        cells = [with_interval(found[n], "+.2f") if n in found else ""
                  for n in names]
         lines.append("| " + " | ".join([entry["label"], entry["setting"], *cells, verdict(entry)]) + " |")
     return "\n".join(lines) + "\n", entries
@@ -229,6 +229,8 @@ def per_prompt_efficiency(job: Path) -> dict[tuple[str, int], float]:
 def verdict(entry: dict) -> str:
     """In words: an ordering is resolved when the 95% interval of the overall difference excludes zero."""
     overall = entry["intervals"]["overall"]
+    if overall["low"] is None:
+        return f"unresolved, one prompt a dataset shows no spread ({overall['prompts']} prompts)"
     if overall["low"] > 0:
         return f"{entry['first']} higher: resolved ({overall['prompts']} prompts)"
     if overall["high"] < 0:
@@ -240,6 +242,7 @@ def forest_plot(entries: list[dict], path: Path,
                 xlabel: str = "difference in block efficiency per prompt:\nmean and 95% interval") -> None:
     """The paired differences as 95% intervals, one row per ordering (overall), zero marked."""
     figure, axis = plt.subplots(figsize=(7, 0.45 * len(entries) + 1.2))
+    entries = [entry for entry in entries if entry["intervals"]["overall"]["low"] is not None]
     for row, entry in enumerate(entries):
         overall = entry["intervals"]["overall"]
         below, above = overall["mean"] - overall["low"], overall["high"] - overall["mean"]
@@ -324,10 +327,12 @@ def arena_verifier_table(arena: dict, summary: dict, setting: str, job: Path) ->
              "|" + "---|" * 13]
     for name, row in overall["verifiers"].items():
         found = row["difference"]
-        difference = "" if found is None else f"{found['mean']:+.3f} [{found['low']:+.3f}, {found['high']:+.3f}]"
+        difference = "" if found is None else with_interval(found, "+.3f")
+        mean = {"mean": row["expected_accepted"], "low": row["expected_accepted_low"],
+                "high": row["expected_accepted_high"]}
         lines.append(f"| {name}{'' if row['exact'] else ' ~'} | {setting} | {row['state']} | {row['prompts']} | "
-                     f"{row['contexts']} | {row['expected_accepted']:.3f} [{row['expected_accepted_low']:.3f}, "
-                     f"{row['expected_accepted_high']:.3f}] | {design_cell(row['design_effect'])} | {difference} | "
+                     f"{row['contexts']} | {with_interval(mean, '.3f')} | {design_cell(row['design_effect'])} | "
+                     f"{difference} | "
                      f"{row['verdict'] or ''} | {needed_cell(row['prompts_needed'])} | "
                      f"{row['first_token_acceptance']:.3f} | {row['alpha_star']:.3f} | {row['ms_per_context']:.1f} |")
     return lines + [""]
@@ -392,8 +397,14 @@ def state_lines(arena: dict) -> list[str]:
 
 
 def interval_text(differences: dict) -> str:
-    overall = differences["overall"]
-    return f"{overall['mean']:+.3f} [{overall['low']:+.3f}, {overall['high']:+.3f}]"
+    return with_interval(differences["overall"], "+.3f")
+
+
+def with_interval(found: dict, spec: str) -> str:
+    """mean [low, high]; [n/a] where one prompt a stratum left the spread unknown."""
+    if found["low"] is None:
+        return f"{found['mean']:{spec}} [n/a]"
+    return f"{found['mean']:{spec}} [{found['low']:{spec}}, {found['high']:{spec}}]"
 
 
 def dataset_bars(rows: list[dict], path: Path) -> bool:
