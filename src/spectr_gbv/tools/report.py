@@ -58,8 +58,8 @@ def collect(folder: Path) -> list[dict]:
 
 
 def job_order(path: Path) -> list:
-    """Multirun job folders are numbers: 2 before 10."""
-    return [int(part) if part.isdigit() else part for part in path.parts]
+    """Multirun job folders are numbers: 2 before 10, and beside named folders (docs/study/arena/0 and k1) before them."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts]
 
 
 def write_tables(rows: list[dict], folder: Path) -> str:
