@@ -58,7 +58,7 @@ def collect(folder: Path) -> list[dict]:
 
 
 def job_order(path: Path) -> list:
-    """Multirun job folders are numbers: 2 before 10, and beside named folders (docs/study/arena/0 and k1) before them."""
+    """Multirun job folders are numbers: 2 before 10, and before named folders beside them (arena/0 before arena/k1)."""
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts]
 
 
