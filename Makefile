@@ -33,9 +33,10 @@ test-slow: models
 test-gpu: install
 	$(PY) -m pytest -q -m gpu
 
-# Verifier kernels (a minute), then the engine on the real pair against transformers (about 10 minutes on 2 cores).
+# Verifier kernels (a minute), the arena's scoring per context (a minute), then the engine on the real pair against transformers (about 10 minutes on 2 cores).
 bench: models
 	$(PY) -m spectr_gbv.tools.bench
+	$(PY) -m spectr_gbv.tools.bench_arena
 	$(PY) -m spectr_gbv.tools.bench_engine
 
 audit: install

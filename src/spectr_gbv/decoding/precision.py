@@ -4,8 +4,10 @@ A model's dtype `auto` (the default of the real models) is the dtype and linear 
 device: CPU_CLASSES for a CPU, bfloat16 on CUDA (float16 where the device has no bfloat16). An explicit dtype wins,
 and so do a given linear_kernel or quantize. The CPU is known by its /proc/cpuinfo flags: machine() names it beside a
 run's times, and emulated_bfloat16() tells the engine when a model runs in bfloat16 on a CPU without the units that
-make bfloat16 fast.
+make bfloat16 fast. keep_freed_memory() sets the one allocator setting that CPU runs need.
 """
+import ctypes
+import ctypes.util
 import os
 import platform
 import subprocess
@@ -141,3 +143,19 @@ def cpu_flags() -> set[str] | None:
         return None
     flags = [line.split(":", 1)[1].split() for line in lines if line.startswith("flags")]
     return set(flags[0]) if flags else None
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt() parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc serve large blocks from its heap and keep them once freed. By default a block above 32 MB (a
+    [B, K, L + 1, V] tensor of probabilities at the Qwen vocabulary is 100 MB) is a fresh mmap whose pages the kernel
+    faults in on first touch and unmaps on free, so every call that makes full-vocabulary temporaries pays for page
+    faults again, often more than for its arithmetic (docs/performance.md has the verifier arena's scoring with and
+    without). The heap then stays at its peak size. False where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))

@@ -12,9 +12,10 @@ the reference decode carries when it is the reference (its real state), and as `
 for information (the state's cost) and never for a verdict. Stateless rules have no state to carry.
 
 Per context and verifier@k the record holds E[tau | drafts (, state)], exact where the verifier gives its
-accepted_law() (spectr_gbv.verifiers.base), else the mean of `replicas` calls with generators seeded by (seed,
-dataset, prompt, iteration, label) and its standard error (the prompt-level bootstrap of summarise() resamples these
-means, so replica noise is inside every interval); the first-token acceptance P(tau >= 1) beside the optimal-transport
+accepted_law() (spectr_gbv.verifiers.base), else the mean of `replicas` calls (replicate_accepted(), which shares
+their work where the rule allows) with generators seeded by (seed, dataset, prompt, iteration, label) and its
+standard error (the prompt-level bootstrap of summarise() resamples these means, so replica noise is inside every
+interval); the first-token acceptance P(tau >= 1) beside the optimal-transport
 bound alpha*(p, q, k) at the root; what scoring it cost; and, once per context, the reference's realised tau and the
 whole scoring's cost. Contexts are appended to their prompt's record as it finishes (records.py), so a killed job
 resumes like any other.
@@ -103,7 +104,7 @@ class Arena:
         started = time.perf_counter()
         B = tokens.shape[0]
         root_p, root_q = p[:, 0, 0], q[:, 0, 0]  # every draft starts at the root
-        alpha = torch.stack([optimal_acceptance(root_p, root_q, k) for k in range(1, self.num_drafts + 1)], -1)
+        alpha = optimal_acceptance(root_p, root_q, list(range(1, self.num_drafts + 1)))
         contexts = [{"drafts": draft_digest(tokens[b]), "alpha_star": alpha[b].tolist(), "verifiers": {}}
                     for b in range(B)]
         for name, verifier, k, carried in self.entries:
@@ -131,8 +132,7 @@ class Arena:
             ms = 1000 * (time.perf_counter() - started) / tokens.shape[0]
             return [{"expected_accepted": e, "se": None, "first_token_acceptance": f, "ms": ms}
                     for e, f in zip(expected, first)]
-        taus = np.array([verifier(tokens, q, p, generator=generators, state=state).num_accepted.tolist()
-                         for _ in range(self.replicas)], dtype=np.float64)  # [replicas, B]
+        taus = verifier.replicate_accepted(tokens, q, p, generators, self.replicas, state).double().numpy()
         ms = 1000 * (time.perf_counter() - started) / tokens.shape[0]
         se = taus.std(0, ddof=1) / np.sqrt(self.replicas) if self.replicas > 1 else np.full(taus.shape[1], np.nan)
         return [{"expected_accepted": float(taus[:, b].mean()), "se": float(se[b]),

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from spectr_gbv.decoding.costs import BareCosts
 from spectr_gbv.decoding.engine import DecodeRecord, IterationHook, SpeculativeEngine, Stopped
-from spectr_gbv.decoding.precision import machine
+from spectr_gbv.decoding.precision import keep_freed_memory, machine
 from spectr_gbv.decoding.sampling import Sampling
 from spectr_gbv.experiment import records
 from spectr_gbv.errors import ModelUnavailable
@@ -53,6 +53,7 @@ class SpeculativeEvaluation(LightningModule):
     # ---- setup: models, engines, what earlier attempts already recorded -------------------------------------
     def setup(self, stage: str) -> None:
         hp, knobs = self.hparams, self.knobs
+        keep_freed_memory()
         self.target = load("model", hp.model_config)
         drafter = None
         if hp.verifier != "ar":  # plain decoding needs no drafter: do not load one

@@ -76,6 +76,14 @@ class Verifier:
         closed form is written; the verifier arena then averages replicas of calls (spectr_gbv.experiment.arena)."""
         return None
 
+    def replicate_accepted(self, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
+                           generator: Generators, replicas: int, state: Any = None) -> Tensor:
+        """num_accepted of `replicas` independent calls on the same inputs [replicas, B]: what the arena averages
+        where accepted_law() has no closed form. A rule whose uniforms meet the inputs only through thresholds it
+        computes first overrides this to compute them once (spectr_gbv_paper)."""
+        return torch.stack([self(draft_tokens, draft_probs, target_probs, generator=generator, state=state).num_accepted
+                            for _ in range(replicas)])
+
 
 def check_inputs(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> None:
     """Reject what would silently give wrong laws; zeros (top-k / top-p truncation) are legal."""

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .base import (Verifier, VerifierOutput, last_success, last_success_law, pick, same_prefix, sample, token_probs,
-                   uniforms)
+from .base import (Verifier, VerifierOutput, check_inputs, last_success, last_success_law, pick, same_prefix, sample,
+                   token_probs, uniforms)
 
 MAX_LOG_RATIO = 80.0  # exp(80) is finite in float32; larger ratios only occur on zero-mass nodes
 ALL_ROWS = slice(None)  # the index for every row: what it selects is a view, not a copy
@@ -197,16 +197,25 @@ def draft_agreement(rows: slice | Tensor, p: Tensor, q: Tensor, x: Tensor, log_s
     """t_k of §4.3 on the rows `rows` of one draft: how far Y agrees with it, coupled with Y's current law (p [B, n, V]
     the target and q [B, n, V] the draft conditionals at its first n nodes, x [B, n] its tokens, log_s [B, n+1] their
     log draft joint masses, u [B, L] its uniforms, live [B] its live nodes). Always consistent with the known prefix
-    of Y. The levels are computed on the live nodes only: beyond them the path has zero mass (a point mass of an
-    earlier level excludes it), so h = 0 there whatever the conditionals."""
+    of Y."""
+    h = draft_acceptance(rows, p, q, x, log_s, u.shape[-1], live[rows], [level.of_rows(rows) for level in levels],
+                         scratch)
+    return last_success(h, u[rows])
+
+
+def draft_acceptance(rows: slice | Tensor, p: Tensor, q: Tensor, x: Tensor, log_s: Tensor, block_length: int,
+                     live: Tensor, levels: list[Level], scratch: Scratch) -> Tensor:
+    """h_1..h_L [R, L] of one draft's coupling with Y's current law on the rows `rows` of p, q, x, log_s (as in
+    draft_agreement; live [R] and the levels given for those rows, which may repeat). The levels are computed on the
+    live nodes only: beyond them the path has zero mass (a point mass of an earlier level excludes it), so h = 0 there
+    whatever the conditionals."""
     x, log_s = x[rows], log_s[rows]
     (R, n), V = x.shape, p.shape[-1]
     memory = scratch(Scratch.COND, R, n, V)
     cond = copy_rows(p, rows, memory) if levels else read_rows(p, rows, memory)  # the levels are written into it
     q = read_rows(q, rows, scratch(Scratch.DRAFT, R, n, V))
-    apply_levels_(cond, q, x, log_s, [level.of_rows(rows) for level in levels], scratch, reach=live[rows])
-    h = greedy_acceptance(cond, q, x, log_s, u.shape[-1], scratch(Scratch.WORK, R, n - 1, V))
-    return last_success(h, u[rows])
+    apply_levels_(cond, q, x, log_s, levels, scratch, reach=live)
+    return greedy_acceptance(cond, q, x, log_s, block_length, scratch(Scratch.WORK, R, n - 1, V))
 
 
 class GreedyBlockVerifier(Verifier):
@@ -270,6 +279,40 @@ class GreedyBlockVerifier(Verifier):
             remaining=torch.stack([torch.where(done, 0, (lv.end - emitted).clamp_min(0)) for lv in levels], -1),
         )
         return VerifierOutput(accepted, draft_index, next_token, compact(pending))
+
+    def replicate_accepted(self, draft_tokens, draft_probs, target_probs, generator, replicas, state=None):
+        """num_accepted of `replicas` calls, with their work shared: draft k is coupled with Y's law given the
+        agreements t_1..t_{k-1} of the drafts before it (§4.3), so the replicas of a row that share those share
+        draft k's h, computed once per distinct history; each replica draws only its t_k. tau is the longest
+        agreement, so the recovered token's replay is not needed."""
+        check_inputs(draft_tokens, draft_probs, target_probs)
+        tokens, q, p = draft_tokens, draft_probs, target_probs
+        (B, K, L), V = tokens.shape, q.shape[-1]
+        log_s = torch.cat([torch.zeros_like(q[:, :, :1, 0]), token_probs(q, tokens).log().cumsum(-1)], -1)
+        common = same_prefix(tokens).sum(-1)
+        carried = pending_to_levels(state, tokens)
+        u = uniforms((B, replicas, K, L), q, generator).flatten(0, 1)  # [B * replicas, K, L]
+        row = torch.arange(B, device=q.device).repeat_interleave(replicas)
+        accepted, done, history = torch.zeros_like(row), torch.zeros_like(row, dtype=torch.bool), []
+        for k in range(K):
+            going = (~done).nonzero().squeeze(1)
+            if going.numel() == 0:
+                break
+            groups, group_of = torch.stack([row, *history], -1)[going].unique(dim=0, return_inverse=True)
+            rows, agreements = groups[:, 0], groups[:, 1:]
+            zero, full = torch.zeros_like(rows, dtype=log_s.dtype), torch.full_like(rows, L)
+            levels = [level.of_rows(rows) for level in carried] + [
+                Level(zero, zero, agreements[:, j], full, tokens[rows, j]) for j in range(k)]
+            live = live_nodes(common[rows, k], [(j, agreements[:, j]) for j in range(k)], L)
+            n = max(1, int(live.max()))
+            h = draft_acceptance(rows, p[:, k, :n], q[:, k, :n], tokens[:, k, :n], log_s[:, k, : n + 1], L, live,
+                                 levels, Scratch(q, rows.numel() * L * V))
+            t_k = torch.zeros_like(row)
+            t_k[going] = last_success(h[group_of], u[going, k])
+            accepted = torch.maximum(accepted, t_k)
+            done |= t_k == L
+            history.append(t_k)
+        return accepted.view(B, replicas).T
 
     def accepted_law(self, draft_tokens, draft_probs, target_probs, state=None):
         """One draft: the greedy coupling's own h (§4.1) against the target with the state's pending levels in force

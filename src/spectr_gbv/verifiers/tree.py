@@ -53,7 +53,8 @@ class TreeVerifier(Verifier):
 
     def accepted_law(self, draft_tokens, draft_probs, target_probs):
         """Forward over the trie: P(tau >= d + 1) is the mass of reaching a node at depth d and choosing one of its
-        children, the reach of a child that of its parent times the parent's node law there."""
+        children, the reach of a child that of its parent times the parent's node law there. Each node's law is
+        computed once, for the draft that names it (the lowest-index one through it, whose row verify() reads)."""
         B, K, L = draft_tokens.shape
         common = (draft_tokens[:, :, None] == draft_tokens[:, None]).long().cumprod(-1).sum(-1)  # [B, K, K]
         drafts = torch.arange(K, device=draft_tokens.device)
@@ -62,18 +63,21 @@ class TreeVerifier(Verifier):
         at_least = []
         for d in range(L):
             alive = common >= d  # [B, K, K]: the drafts through draft k's node at depth d
-            row = first_alive(alive)  # [B, K]: as in verify(), a node's distributions come from one row
-            p = target_probs[:, :, d].gather(1, row[..., None].expand(-1, -1, target_probs.shape[-1]))
-            q = draft_probs[:, :, d].gather(1, row[..., None].expand(-1, -1, draft_probs.shape[-1]))
+            row = first_alive(alive)  # [B, K]: the draft that names draft k's node
+            names_node = row == drafts
+            nodes = names_node.flatten().nonzero().squeeze(1)  # in [B * K]
             children = draft_tokens[:, :, d]
-            law = self.node_law(p.flatten(0, 1), q.flatten(0, 1), children.repeat_interleave(K, 0),
-                                alive.flatten(0, 1)).view(B, K, -1)
-            at_child = law.gather(-1, children[:, None].expand(-1, K, -1))  # [B, K, K]: node k's law at j's child
+            node_children = children.repeat_interleave(K, 0)[nodes]  # [N, K]
+            law = self.node_law(target_probs[:, :, d].flatten(0, 1)[nodes], draft_probs[:, :, d].flatten(0, 1)[nodes],
+                                node_children, alive.flatten(0, 1)[nodes])
+            at_node_child = reach.new_zeros(B * K, K)
+            at_node_child[nodes] = law.gather(-1, node_children)
+            # node k's law at j's child [B, K, K], read from the draft that names node k
+            at_child = at_node_child.view(B, K, K).gather(1, row[..., None].expand(-1, -1, K))
             same_token = children[:, :, None] == children[:, None, :]  # [B, j, j']
             repeated = (alive[:, :, None, :] & same_token[:, None] & earlier).any(-1)  # j's child came earlier
             child_mass = (at_child * (alive & ~repeated)).sum(-1)
-            names_node = row == drafts  # count each node once
-            at_least.append((reach * child_mass * names_node).sum(-1))
+            at_least.append((reach * child_mass * names_node).sum(-1))  # count each node once
             reach = reach * at_child.diagonal(dim1=1, dim2=2)
         at_least = torch.stack([torch.ones_like(at_least[0]), *at_least, torch.zeros_like(at_least[0])], -1)
         return at_least[:, :-1] - at_least[:, 1:]
@@ -123,14 +127,20 @@ class SpecInferVerifier(TreeVerifier):
 
 def kseq_rho(p: Tensor, q: Tensor, k: Tensor) -> Tensor:
     """Smallest rho in [1, k] with 1 - (1 - beta(rho))^k <= rho beta(rho), by bisection; the upper end is always
-    on the valid side, so the residual stays non-negative whatever the number of steps."""
+    on the valid side, so the residual stays non-negative whatever the number of steps. A node with one draft through
+    it has the bracket [1, 1]: only the others are bisected, each a pass over the vocabulary per step."""
+    rho = k.clone()
+    several = (k > 1).nonzero().squeeze(1)
+    if several.numel() == 0:
+        return rho
+    p, q, k = p[several], q[several], k[several]
     lo, hi = torch.ones_like(k), k.clone()
     for _ in range(RHO_BISECTION_STEPS):
         mid = (lo + hi) / 2
         beta = torch.minimum(q, p / mid[:, None]).sum(-1)
         too_small = 1 - (1 - beta) ** k >= mid * beta
         lo, hi = torch.where(too_small, mid, lo), torch.where(too_small, hi, mid)
-    return hi
+    return rho.index_put_((several,), hi)
 
 
 class SpecTrVerifier(TreeVerifier):
