@@ -105,7 +105,9 @@ def ratio_key(p: Tensor, q: Tensor) -> Tensor:
 def skewed_draft(x: Tensor, q_nodes: Tensor, p_nodes: Tensor, num_drafts: int) -> Tensor:
     """Exact law of the lexicographic maximum of K i.i.d. paths along the selected path x (docs/algorithms.md
     §8, step 3). Keeps the masses below / on the path normalised (a + s = 1) so nothing under- or overflows with
-    depth."""
+    depth. One path is its own maximum: its law is q itself."""
+    if num_drafts == 1:
+        return q_nodes
     B, L, V = q_nodes.shape
     below_mass = torch.zeros(B, dtype=q_nodes.dtype, device=q_nodes.device)  # a = A_v / D
     path_mass = torch.ones_like(below_mass)  # s = x_v / D
